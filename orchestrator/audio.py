@@ -1,0 +1,38 @@
+"""Waveform checks and a float32 WAV writer that needs only the standard library.
+
+The GPU worker has no soundfile; float32 WAV keeps the samples as generated (16-bit PCM
+would clip and quantise them before the integrity and quality scorers see them).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+CLIP_LEVEL = 0.999
+
+
+def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    data = np.ascontiguousarray(audio, dtype="<f4").reshape(-1)
+    payload = data.tobytes()
+    header = b"RIFF" + struct.pack("<I", 36 + len(payload)) + b"WAVE"
+    # fmt chunk: format 3 = IEEE float, mono, 32 bits per sample
+    fmt = struct.pack("<HHIIHH", 3, 1, sample_rate, sample_rate * 4, 4, 32)
+    header += b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    header += b"data" + struct.pack("<I", len(payload))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_bytes(header + payload)
+    tmp.replace(path)
+
+
+def integrity(audio: np.ndarray) -> dict[str, float | bool | int]:
+    finite = bool(np.isfinite(audio).all())
+    peak = float(np.abs(audio[np.isfinite(audio)]).max()) if audio.size and finite else 0.0
+    return {
+        "finite": finite,
+        "peak_abs": peak,
+        "clipped_samples": int((np.abs(np.nan_to_num(audio)) >= CLIP_LEVEL).sum()),
+    }

@@ -1,0 +1,269 @@
+"""`orchestrate`: run stacks, inspect techniques and stacks, browse and ingest results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.config import (
+    EXPERIMENTS_DIR,
+    SCHEMAS,
+    ConfigError,
+    load_model_spec,
+    load_protocol,
+    load_stack,
+    load_workload,
+)
+from orchestrator.registry import StackError, discover
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Experiment orchestration for TTS inference speed-ups.")
+console = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db).")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+def _store(db: str | None) -> Any:
+    from orchestrator.store import Store
+
+    return Store(db)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@app.command()
+def run(
+    stack: Annotated[list[str], typer.Option("--stack", "-s", help="Stack name (experiments/) or YAML path; repeatable.")],
+    baseline: Annotated[str, typer.Option(help="Stack every other stack is compared against.")] = "stock",
+    model: Annotated[str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")] = "tiny",
+    workload: Annotated[str, typer.Option(help="Workload name (configs/workloads/) or YAML path.")] = "smoke",
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the model preset's).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
+    strict: Annotated[bool, typer.Option(help="Refuse techniques this device lacks instead of skipping them.")] = False,
+    force: Annotated[bool, typer.Option(help="Re-run even if this exact experiment already finished.")] = False,
+    fidelity_steps: Annotated[int, typer.Option(help="Teacher-forced steps compared against stock (0: off).")] = 32,
+    mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
+    runs_dir: Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")] = Path("runs"),
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure stacks against a baseline, interleaved, in one worker; store and report."""
+    from orchestrator.plan import plan_job
+    from orchestrator.runner import Interrupted, execute
+
+    try:
+        if device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, not {device!r}")
+        spec = load_model_spec(model, device=device, dtype=dtype)
+        stacks = [load_stack(baseline)] + [load_stack(s) for s in stack if s != baseline]
+        job = plan_job(spec, load_workload(workload), stacks, load_protocol(), runs_dir,
+                       strict=strict, fidelity_steps=fidelity_steps)
+    except (ConfigError, StackError, ValueError) as exc:
+        _fail(str(exc))
+    store = _store(db)
+    try:
+        with _progress(quiet=as_json) as on_event:
+            outcome = execute(job, store, runs_dir, track=mlflow, force=force, on_event=on_event)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        _fail(f"interrupted; the run is marked INTERRUPTED ({exc})", 130)
+    if outcome.reused:
+        msg = f"identical experiment already recorded as run {outcome.run_id}; --force re-runs it"
+        _print_json({"run_id": outcome.run_id, "reused": True}) if as_json else console.print(msg)
+        return
+    if outcome.error:
+        _fail(f"run {outcome.run_id} failed: {outcome.error}", 1)
+    if as_json:
+        _print_json(store.get_run(outcome.run_id))
+    else:
+        _show(store.get_run(outcome.run_id))
+    if outcome.status == "failed":
+        raise typer.Exit(1)
+
+
+class _progress:
+    """Progress bar fed by the worker's JSON-line events."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=err, transient=True)
+        self.task = self.bar.add_task("starting worker", total=None)
+
+    def __enter__(self) -> Any:
+        if not self.quiet:
+            self.bar.start()
+        return self.on_event
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.quiet:
+            self.bar.stop()
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "progress":
+            self.bar.update(self.task, completed=event["done"], total=event["total"],
+                            description=f"timing {event['stack']}")
+        elif event.get("event") == "status":
+            self.bar.update(self.task, description=event["message"])
+
+
+@app.command()
+def worker(
+    job: Annotated[Path, typer.Argument(help="Job JSON written by the orchestrator.")],
+    out: Annotated[Path | None, typer.Option(help="Result JSON path.")] = None,
+) -> None:
+    """Run one job by hand (e.g. on a GPU host) and write its result JSON."""
+    from orchestrator.worker import main
+
+    raise typer.Exit(main([str(job)] + (["--out", str(out)] if out else [])))
+
+
+@app.command()
+def ingest(
+    result: Annotated[Path, typer.Argument(help="Result JSON produced by `orchestrate worker`.")],
+    mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well.")] = True,
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record a result produced elsewhere."""
+    from pydantic import ValidationError
+
+    from orchestrator.runner import ingest as do_ingest
+
+    if not result.exists():
+        _fail(f"{result}: no such file")
+    store = _store(db)
+    try:
+        outcome = do_ingest(result, store, track=mlflow)
+    except ValidationError as exc:
+        _fail(f"{result}: not a valid result record: {exc.error_count()} problems, first: "
+              f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+    except ValueError as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(store.get_run(outcome.run_id))
+    else:
+        _show(store.get_run(outcome.run_id))
+
+
+@app.command()
+def techniques(as_json: JsonOpt = False) -> None:
+    """List installed technique plugins with their metadata."""
+    rows = [
+        {"name": n, "version": c.version, "family": c.family, "exact": c.exact,
+         "slots": list(c.slots), "wraps": list(c.wraps), "requires": list(c.requires),
+         "after": list(c.after), "conflicts": list(c.conflicts), "summary": c.summary,
+         "module": c.__module__, "params": c.Params.model_json_schema().get("properties", {})}
+        for n, c in sorted(discover().items())
+    ]
+    if as_json:
+        return _print_json(rows)
+    table = Table(title="techniques")
+    for col in ("name", "family", "exact", "slots", "requires", "after", "summary"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(f"{r['name']}@{r['version']}", r["family"], "yes" if r["exact"] else "APPROX",
+                      ", ".join(r["slots"] + [f"~{w}" for w in r["wraps"]]),
+                      ", ".join(r["requires"]) or "-", ", ".join(r["after"]) or "-", r["summary"])
+    console.print(table)
+
+
+@app.command()
+def stacks(as_json: JsonOpt = False) -> None:
+    """List the stacks in experiments/ and whether each validates."""
+    from orchestrator.registry import build_stack
+
+    rows = []
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        try:
+            spec = load_stack(str(path))
+            built = build_stack(spec)
+            rows.append({"name": spec.name, "family": spec.family, "exact": built.exact,
+                         "techniques": [t.name for t in spec.techniques], "valid": True,
+                         "description": spec.description})
+        except (ConfigError, StackError) as exc:
+            rows.append({"name": path.stem, "valid": False, "error": str(exc)})
+    if as_json:
+        return _print_json(rows)
+    table = Table(title="stacks (experiments/)")
+    for col in ("name", "techniques", "exact", "description"):
+        table.add_column(col)
+    for r in rows:
+        if r["valid"]:
+            table.add_row(r["name"], " -> ".join(r["techniques"]) or "(stock)",
+                          "yes" if r["exact"] else "APPROX", r["description"])
+        else:
+            table.add_row(r["name"], f"[red]invalid: {r['error']}[/red]", "", "")
+    console.print(table)
+
+
+@app.command()
+def runs(limit: int = 20, db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Recent runs."""
+    rows = _store(db).list_runs(limit=limit)
+    if as_json:
+        return _print_json(rows)
+    table = Table(title="runs")
+    for col in ("id", "status", "started", "model", "workload", "stacks", "error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["id"][:12], r["status"], str(r["started_at"])[:19], str(r.get("model", "")),
+                      r.get("workload_name", ""), ", ".join(r.get("stacks", [])),
+                      (r.get("error") or "")[:60])
+    console.print(table)
+
+
+@app.command()
+def show(run_id: Annotated[str, typer.Argument(help="Run id or unique prefix.")],
+         db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Metrics of one run, each stack against the baseline."""
+    try:
+        run_row = _store(db).get_run(run_id)
+    except (KeyError, LookupError, ValueError) as exc:
+        _fail(str(exc))
+    _print_json(run_row) if as_json else _show(run_row)
+
+
+def _show(run_row: dict[str, Any]) -> None:
+    from reports.tables import stack_table
+
+    title = (f"run {run_row['id'][:12]} · {run_row['status']} · {run_row.get('workload_name')} · "
+             f"{(run_row.get('environment') or {}).get('device_name', '')}")
+    console.print(stack_table(title, run_row["stacks"]))
+    for s in run_row["stacks"]:
+        if s.get("error"):
+            console.print(f"[red]{s['name']}: {s['error']}[/red]")
+        fid = s.get("fidelity")
+        if fid and s["position"] > 0 or (fid and s.get("applied")):
+            verdict = "within tolerance" if fid["within_tolerance"] else "OUTSIDE tolerance"
+            console.print(f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "
+                          f"mean KL {fid['mean_kl']:.3g}, top-1 {fid['top1_agreement']:.3f}, "
+                          f"top-k overlap {fid['topk_agreement']:.3f}")
+
+
+@app.command()
+def schema(name: Annotated[str | None, typer.Argument(help=f"One of {sorted(SCHEMAS)}.")] = None) -> None:
+    """JSON schema of the config files (all of them without a name)."""
+    if name and name not in SCHEMAS:
+        _fail(f"unknown schema {name!r}; known: {', '.join(sorted(SCHEMAS))}")
+    names = [name] if name else sorted(SCHEMAS)
+    _print_json({n: SCHEMAS[n].model_json_schema() for n in names})
+
+
+if __name__ == "__main__":
+    app()

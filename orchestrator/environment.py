@@ -1,0 +1,78 @@
+"""What a number was measured on: host, device, driver, clocks, versions, code SHA."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+
+import torch
+
+from orchestrator.config import REPO_ROOT
+from orchestrator.records import EnvironmentInfo
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=5).stdout
+        return sha, bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("ORCHESTRATE_CODE_SHA"), None
+
+
+def _nvidia_smi() -> dict[str, float | str]:
+    fields = "driver_version,clocks.sm,clocks.mem,power.draw"
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    out: dict[str, float | str] = {}
+    for key, raw in zip(("driver", "sm", "mem", "power"), line.split(","), strict=False):
+        raw = raw.strip()
+        try:
+            out[key] = raw if key == "driver" else float(raw)
+        except ValueError:
+            continue  # "[N/A]" on some boards
+    return out
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def capture(device: str, model_config_hash: str) -> EnvironmentInfo:
+    """Read once per job, after warm-up, so the clocks are the ones the timing ran at."""
+    cuda = device == "cuda" and torch.cuda.is_available()
+    smi = _nvidia_smi() if cuda else {}
+    sha, dirty = git_state()
+    pkgs = {p: v for p in ("triton", "numpy", "pydantic", "cuda-bindings") if (v := _version(p))}
+    return EnvironmentInfo(
+        hostname=socket.gethostname(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=_version("transformers") or "?",
+        cuda=torch.version.cuda if cuda else None,
+        device_name=torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+        driver=str(smi["driver"]) if "driver" in smi else None,
+        sm_clock_mhz=smi.get("sm"),  # type: ignore[arg-type]
+        mem_clock_mhz=smi.get("mem"),  # type: ignore[arg-type]
+        power_w=smi.get("power"),  # type: ignore[arg-type]
+        gpu_count=torch.cuda.device_count() if cuda else 0,
+        cpu_count=os.cpu_count() or 1,
+        git_sha=sha,
+        git_dirty=dirty,
+        model_config_hash=model_config_hash,
+        packages=pkgs,
+    )

@@ -1,0 +1,56 @@
+"""Model families: each builds its model, its stock engine, and times one synthesis.
+
+A family is looked up by the name in ModelSpec.family / StackSpec.family; unknown names
+fail at once with the list of known ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from orchestrator.config import ModelSpec, Workload
+from orchestrator.records import FidelityRecord
+from orchestrator.registry import BuiltStack
+
+
+@dataclass
+class Synthesis:
+    """One timed synthesis. Times are seconds; audio is a CPU float32 waveform."""
+
+    latency_s: float
+    lm_s: float
+    codec_s: float
+    prefill_s: float | None
+    prompt_tokens: int
+    new_tokens: int
+    frames: int
+    stop_reason: str
+    audio: np.ndarray
+    sample_rate: int
+
+
+class Family(Protocol):
+    name: str
+
+    def build_model(self, spec: ModelSpec) -> Any: ...
+
+    def config_hash(self, model: Any) -> str: ...
+
+    def build_engine(self, model: Any, stack: BuiltStack) -> Any: ...
+
+    def synthesize(self, engine: Any, text: str, seed: int, workload: Workload) -> Synthesis: ...
+
+    def fidelity(
+        self, model: Any, engines: dict[str, Any], workload: Workload, steps: int
+    ) -> dict[str, FidelityRecord]: ...
+
+
+def get_family(name: str) -> Family:
+    if name == "rumik":
+        from orchestrator.families.rumik import FAMILY
+
+        return FAMILY
+    raise ValueError(f"unknown model family {name!r}; known: rumik")

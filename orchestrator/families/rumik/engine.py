@@ -1,0 +1,254 @@
+"""The Rumik engine: a model plus named slots that techniques fill.
+
+Slots, in the order data flows through one decode step:
+  decoder      prompt/token ids -> last normed hidden state (owns the KV cache)
+  projections  how a decoder that asks for them computes q,k,v,gate,up and o+down
+  head         hidden -> logits over the columns speech may sample (+ column -> token id)
+  sampler      logits -> one token id
+  loop         the whole token loop (host loop, or one that runs on the device)
+
+The stock engine is the family's default parts, so "stock" is a stack with no techniques
+and every technique is a diff against it. A technique replaces only the slots it declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from orchestrator.config import SamplingConfig
+from orchestrator.families.rumik.model import RumikModel
+
+SLOTS = ("decoder", "projections", "head", "sampler", "loop")
+
+
+# ------------------------------------------------------------------- slot contracts
+
+
+class Decoder(Protocol):
+    uses_projections: bool
+
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """[1, P] ids -> [1, H] normed hidden state of the last position."""
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """[1, 1] id of the token just sampled -> [1, H] normed hidden state."""
+
+
+@dataclass
+class HeadLogits:
+    logits: torch.Tensor  # [1, C], float32
+    column_ids: torch.Tensor | None  # [C] token id of each column; None = identity (full vocab)
+    end_column: int  # the column of end-of-audio
+    unit_columns: slice | torch.Tensor  # columns holding audio units
+
+
+class Head(Protocol):
+    def __call__(self, hidden: torch.Tensor, step: int) -> HeadLogits: ...
+
+
+class Sampler(Protocol):
+    def __call__(
+        self,
+        head: HeadLogits,
+        *,
+        allow_end: bool,
+        force_end: bool,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """-> [1, 1] token id (a device tensor)."""
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stop_reason: str
+    prefill_s: float | None = None
+
+
+class Loop(Protocol):
+    def __call__(
+        self,
+        engine: Engine,
+        prompt_ids: list[int],
+        frames: int | None,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Generation: ...
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass
+class Engine:
+    model: RumikModel
+    decoder_factory: Callable[[Engine, int], Decoder]  # (engine, max_seq_len) -> Decoder
+    projections: Any | None
+    head: Head
+    sampler: Sampler
+    loop: Loop
+    filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def new_decoder(self, max_seq_len: int) -> Decoder:
+        decoder = self.decoder_factory(self, max_seq_len)
+        if "projections" in self.filled and not decoder.uses_projections:
+            # A filled slot nobody reads would be a silent no-op: refuse it.
+            raise RuntimeError(
+                f"technique {self.filled['projections']!r} fills 'projections', but the "
+                "decoder in use does not read that slot"
+            )
+        return decoder
+
+    def stop_probability(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.model.stop_head(hidden).float())
+
+
+# ------------------------------------------------------------------- stock parts
+
+
+class StockDecoder:
+    """Upstream's forward: transformers Cohere2 with a DynamicCache and all hidden states."""
+
+    uses_projections = False
+
+    def __init__(self, engine: Engine, max_seq_len: int):
+        self.lm = engine.model.lm
+        self.cache = DynamicCache(config=self.lm.config)
+
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        # Upstream calls the full LM here, projecting every prompt position through the
+        # 277k head; we pay that too so stock is not made faster than upstream.
+        out = self.lm(input_ids=prompt_ids, cache=self.cache, use_cache=True,
+                      output_hidden_states=True)
+        return out.hidden_states[-1][:, -1, :]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        out = self.lm.model(input_ids=token, cache=self.cache, use_cache=True,
+                            output_hidden_states=True)
+        return out.hidden_states[-1][:, -1, :]
+
+
+def stock_decoder(engine: Engine, max_seq_len: int) -> Decoder:
+    return StockDecoder(engine, max_seq_len)
+
+
+def full_vocab_head(model: RumikModel) -> Head:
+    """The tied 277k-row output head: every vocabulary id gets a logit."""
+    vocab = model.vocab
+    units = slice(vocab.first_unit_id, vocab.last_unit_id + 1)
+    lm = model.lm
+
+    def head(hidden: torch.Tensor, step: int) -> HeadLogits:
+        logits = lm.lm_head(hidden) * lm.logit_scale
+        return HeadLogits(logits.float(), None, vocab.end_id, units)
+
+    return head
+
+
+def stock_sampler(
+    head: HeadLogits,
+    *,
+    allow_end: bool,
+    force_end: bool,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Upstream's constrained top-k: a fresh -inf mask over every column each step."""
+    logits = head.logits
+    mask = torch.full_like(logits, float("-inf"))
+    if force_end:
+        mask[:, head.end_column] = 0.0
+    else:
+        mask[:, head.unit_columns] = 0.0
+        if allow_end:
+            mask[:, head.end_column] = 0.0
+    scores = (logits + mask) / sampling.temperature
+    k = min(sampling.top_k, scores.shape[-1])
+    top_vals, top_idx = torch.topk(scores, k, dim=-1)
+    probs = torch.softmax(top_vals, dim=-1)
+    if sampling.top_p < 1.0:
+        keep = probs.cumsum(-1) - probs < sampling.top_p
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    pick = torch.multinomial(probs, 1, generator=generator)
+    column = top_idx.gather(-1, pick)
+    return column if head.column_ids is None else head.column_ids[column]
+
+
+def host_loop(
+    engine: Engine,
+    prompt_ids: list[int],
+    frames: int | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> Generation:
+    """Upstream's per-token Python loop, one host round trip per token.
+
+    With a length policy (`frames` set) the end token is never allowed and the stop head is
+    still evaluated (its cost is paid) but not obeyed, so every stack makes equal lengths.
+    """
+    model = engine.model
+    device = model.device
+    cap = sampling.max_new_tokens if frames is None else min(
+        sampling.max_new_tokens, frames * model.vocab.num_quantizers
+    )
+    decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
+    hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
+    tokens: list[int] = []
+    token = None
+    for step in range(cap):
+        if token is not None:
+            hidden = decoder.step(token.view(1, 1))
+        head = engine.head(hidden, step)
+        force_end = False
+        if step >= sampling.min_tokens_before_stop:
+            stop = engine.stop_probability(hidden).item() > 0.5  # host sync, as upstream
+            force_end = stop and frames is None
+        allow_end = frames is None and step >= sampling.min_tokens_before_stop
+        token = engine.sampler(head, allow_end=allow_end, force_end=force_end,
+                               sampling=sampling, generator=generator)
+        token_id = int(token.item())
+        if token_id == model.vocab.end_id:
+            return Generation(tokens, "stop_head" if force_end else "end_token")
+        tokens.append(token_id)
+    return Generation(tokens, "token_cap" if frames is None else "length_policy")
+
+
+class SeparateProjections:
+    """The five input and two output projections as separate matmuls, as in stock."""
+
+    def __init__(self, model: RumikModel):
+        self.layers = [(layer.self_attn, layer.mlp) for layer in model.lm.model.layers]
+
+    def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, m = self.layers[i]
+        return a.q_proj(xn), a.k_proj(xn), a.v_proj(xn), m.gate_proj(xn), m.up_proj(xn)
+
+    def residual(self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        a, m = self.layers[i]
+        return x + a.o_proj(attn) + m.down_proj(act)  # transformers' order of the two adds
+
+
+def stock_engine(model: RumikModel) -> Engine:
+    return Engine(
+        model=model,
+        decoder_factory=stock_decoder,
+        projections=SeparateProjections(model),
+        head=full_vocab_head(model),
+        sampler=stock_sampler,
+        loop=host_loop,
+    )
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere2's bias-free LayerNorm, computed in fp32 as transformers does."""
+    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, eps)
+    return y.to(x.dtype)

@@ -1,0 +1,95 @@
+"""The Rumik family's entry points for the worker: build, engine, one timed synthesis."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from orchestrator.config import ModelSpec, Workload
+from orchestrator.families import Synthesis
+from orchestrator.families.rumik import fidelity
+from orchestrator.families.rumik.engine import Engine, stock_engine
+from orchestrator.families.rumik.model import RumikModel, build_model
+from orchestrator.families.rumik.vocab import build_prompt
+from orchestrator.records import FidelityRecord
+from orchestrator.registry import BuiltStack
+
+SAMPLE_RATE = 24_000
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class RumikFamily:
+    name = "rumik"
+
+    def build_model(self, spec: ModelSpec) -> RumikModel:
+        return build_model(spec)
+
+    def config_hash(self, model: RumikModel) -> str:
+        return model.config_hash()
+
+    def build_engine(self, model: RumikModel, stack: BuiltStack) -> Engine:
+        engine = stock_engine(model)
+        for technique in stack.techniques:
+            technique.apply(engine)
+            for slot in (*technique.slots, *technique.wraps):
+                engine.filled[slot] = technique.name
+        return engine
+
+    @torch.inference_mode()
+    def synthesize(self, engine: Engine, text: str, seed: int, workload: Workload) -> Synthesis:
+        """Timer scope: prompt construction -> completed CPU waveform, codec included."""
+        model = engine.model
+        if workload.voice not in model.voices:
+            raise ValueError(f"unknown voice {workload.voice!r}; this model has {model.voices}")
+        frames = workload.length_policy.frames_for(text)
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+        device = model.device
+        _sync(device)
+        t0 = time.perf_counter()
+        prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
+        gen = engine.loop(engine, prompt_ids, frames, workload.sampling, generator)
+        _sync(device)
+        t1 = time.perf_counter()
+        codes = (model.vocab.tokens_to_codes(gen.tokens) if frames is None
+                 else model.vocab.positional_codes(gen.tokens))
+        if codes.shape[-1]:
+            audio = model.codec.decode(codes.to(device)).audio_values.float().reshape(-1).cpu()
+        else:
+            audio = torch.zeros(0)
+        t2 = time.perf_counter()
+        return Synthesis(
+            latency_s=t2 - t0,
+            lm_s=t1 - t0,
+            codec_s=t2 - t1,
+            prefill_s=gen.prefill_s,
+            prompt_tokens=len(prompt_ids),
+            new_tokens=len(gen.tokens),
+            frames=int(codes.shape[-1]),
+            stop_reason=gen.stop_reason,
+            audio=audio.numpy().astype(np.float32),
+            sample_rate=SAMPLE_RATE,
+        )
+
+    def fidelity(
+        self, model: RumikModel, engines: dict[str, Engine], workload: Workload, steps: int
+    ) -> dict[str, FidelityRecord]:
+        """Teacher-force every engine on tokens the stock engine sampled for prompt 0."""
+        stock = stock_engine(model)
+        text = workload.prompts[0].text
+        prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
+        generator = torch.Generator(device=model.device).manual_seed(workload.seeds[0])
+        with torch.inference_mode():
+            tokens = stock.loop(stock, prompt_ids, -(-steps // 8), workload.sampling, generator).tokens
+        ref = fidelity.teacher_forced(stock, prompt_ids, tokens[:steps])
+        s = workload.sampling
+        return {
+            name: fidelity.compare(ref, fidelity.teacher_forced(eng, prompt_ids, tokens[:steps]),
+                                   s.temperature, s.top_k, model.dtype)
+            for name, eng in engines.items()
+        }

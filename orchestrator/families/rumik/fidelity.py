@@ -1,0 +1,70 @@
+"""Next-token fidelity against stock, teacher-forced on one token sequence.
+
+Every engine is fed the same prompt and the same generated tokens; at each step its head's
+logits are placed in one canonical space (audio units, then end-of-audio) so heads of any
+width compare. Exact techniques must stay within tolerance; approximate ones report how
+far they move the distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator.families.rumik.engine import Engine, HeadLogits
+from orchestrator.records import FidelityRecord
+
+# Max |logit diff| divided by the std of stock's logits. fp32 differs only by summation
+# order; bf16/fp16 round every matmul, so their bar is wider.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 3e-2}
+
+
+def canonical(engine: Engine, out: HeadLogits) -> torch.Tensor:
+    vocab = engine.model.vocab
+    n = vocab.num_units + 1
+    dst = torch.full((n,), float("-inf"), device=out.logits.device)
+    row = out.logits[0]
+    if out.column_ids is None:  # full vocabulary: pick the candidate columns
+        return torch.cat([row[vocab.first_unit_id : vocab.last_unit_id + 1], row[vocab.end_id : vocab.end_id + 1]])
+    pos = torch.where(out.column_ids == vocab.end_id, n - 1, out.column_ids - vocab.first_unit_id)
+    dst[pos] = row
+    return dst
+
+
+@torch.inference_mode()
+def teacher_forced(engine: Engine, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), units + 1] canonical logits, step i predicting tokens[i]."""
+    device = engine.model.device
+    decoder = engine.new_decoder(len(prompt_ids) + len(tokens) + 1)
+    hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
+    rows = []
+    for step, tok in enumerate(tokens):
+        rows.append(canonical(engine, engine.head(hidden, step)))
+        if step + 1 < len(tokens):
+            hidden = decoder.step(torch.tensor([[tok]], device=device))
+    return torch.stack(rows).float()
+
+
+def compare(stock: torch.Tensor, other: torch.Tensor, temperature: float, top_k: int,
+            dtype: torch.dtype) -> FidelityRecord:
+    finite = torch.isfinite(other)
+    diff = (other - stock).abs().where(finite, torch.zeros_like(stock))
+    scale = stock[torch.isfinite(stock)].std().clamp_min(1e-6)
+    rel = float(diff.max() / scale)
+    log_p = torch.log_softmax(other / temperature, -1)  # candidate's distribution
+    log_q = torch.log_softmax(stock / temperature, -1)
+    kl = (log_p.exp() * (log_p - log_q)).where(finite, torch.zeros_like(log_p)).sum(-1)
+    top1 = (other.argmax(-1) == stock.argmax(-1)).float().mean()
+    a, b = other.topk(top_k, -1).indices, stock.topk(top_k, -1).indices
+    inter = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1).float()
+    jaccard = (inter / (2 * top_k - inter)).mean()
+    tol = TOLERANCE.get(dtype, 1e-3)
+    return FidelityRecord(
+        steps=stock.shape[0],
+        max_abs_logit_diff=float(diff.max()),
+        mean_kl=float(kl.mean()),
+        max_kl=float(kl.max()),
+        top1_agreement=float(top1),
+        topk_agreement=float(jaccard),
+        within_tolerance=bool(rel <= tol and bool(finite.all())),
+        tolerance=tol,
+    )

@@ -1,0 +1,78 @@
+"""Speed metrics from per-utterance records, always from unrounded values.
+
+RTF is aggregate: total synthesis time over total audio, as both write-ups define it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from orchestrator.records import UtteranceRecord
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def is_valid(u: UtteranceRecord) -> bool:
+    return u.finite and u.frames > 0 and u.audio_s > 0
+
+
+def summarize(utts: Sequence[UtteranceRecord]) -> dict[str, float]:
+    if not utts:
+        return {}
+    lat = [u.latency_s for u in utts]
+    total_t = sum(lat)
+    total_audio = sum(u.audio_s for u in utts)
+    lm = sum(u.lm_s for u in utts)
+    tokens = sum(u.new_tokens for u in utts)
+    out = {
+        "utterances": float(len(utts)),
+        "valid_recordings": float(sum(is_valid(u) for u in utts)),
+        "median_latency_s": statistics.median(lat),
+        "p95_latency_s": percentile(lat, 95),
+        "mean_latency_s": total_t / len(utts),
+        "total_audio_s": total_audio,
+        "rtf": total_t / total_audio if total_audio else float("inf"),
+        "audio_s_per_compute_s": total_audio / total_t if total_t else 0.0,
+        "tokens_per_s": tokens / lm if lm else 0.0,
+        "ms_per_token": 1000 * lm / tokens if tokens else float("nan"),
+        "lm_share": lm / total_t if total_t else float("nan"),
+        "median_lm_s": statistics.median(u.lm_s for u in utts),
+        "median_codec_s": statistics.median(u.codec_s for u in utts),
+        "clipped_samples": float(sum(u.clipped_samples for u in utts)),
+    }
+    ttfa = [u.time_to_first_audio_s for u in utts if u.time_to_first_audio_s is not None]
+    if ttfa:
+        out["median_ttfa_s"] = statistics.median(ttfa)
+    return out
+
+
+def compare(base: Sequence[UtteranceRecord], cand: Sequence[UtteranceRecord]) -> dict[str, float]:
+    """Candidate vs baseline: aggregate ratios plus the median of paired ratios.
+
+    Pairs are the same (prompt, seed, round): measured back to back in the interleaved run.
+    """
+    b, c = summarize(base), summarize(cand)
+    if not b or not c:
+        return {}
+    out = {
+        "speedup_vs_baseline": b["rtf"] / c["rtf"],
+        "latency_speedup_vs_baseline": b["median_latency_s"] / c["median_latency_s"],
+    }
+    by_key = {(u.prompt_id, u.seed, u.round): u for u in base}
+    ratios = [
+        by_key[k].latency_s / u.latency_s
+        for u in cand
+        if (k := (u.prompt_id, u.seed, u.round)) in by_key and u.latency_s > 0
+    ]
+    if ratios:
+        out["paired_median_speedup"] = statistics.median(ratios)
+    return out

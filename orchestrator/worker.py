@@ -1,0 +1,164 @@
+"""Execute one job: build the model once, build each stack's engine, warm up, then time all
+stacks interleaved, and write a result record. Needs torch, transformers, pydantic and the
+project only (no database, no MLflow): run it here, in a subprocess, or on a GPU host with
+`orchestrate worker JOB.json`.
+
+Progress goes to stdout as JSON lines ({"event": ...}) for the orchestrator's progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator import environment
+from orchestrator.audio import integrity, write_wav
+from orchestrator.families import get_family
+from orchestrator.metrics import summarize
+from orchestrator.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
+from orchestrator.registry import StackError, build_stack
+from orchestrator.technique import DeviceCaps
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def run_job(job: JobSpec) -> ResultRecord:
+    started = utcnow()
+    family = get_family(job.model.family)
+    out_dir = Path(job.output_dir)
+    emit("status", message=f"building {job.model.preset} on {job.model.device}")
+    model = family.build_model(job.model)
+    caps = DeviceCaps.probe(job.model.device)
+    device = torch.device(job.model.device)
+
+    results: dict[str, StackResult] = {}
+    engines: dict[str, Any] = {}
+    for spec in job.stacks:
+        try:
+            built = build_stack(spec, caps, strict=job.strict)
+        except StackError as exc:
+            results[spec.name] = StackResult(stack=spec, status="refused", error=str(exc))
+            continue
+        t0 = time.perf_counter()
+        try:
+            engines[spec.name] = family.build_engine(model, built)
+        except Exception as exc:
+            results[spec.name] = StackResult(stack=spec, status="failed", error=_describe(exc))
+            continue
+        results[spec.name] = StackResult(
+            stack=spec,
+            status="partial" if built.partial else "ok",
+            applied=[t.ref() for t in built.techniques],
+            skipped=built.skipped,
+            exact=built.exact,
+            setup_s=time.perf_counter() - t0,
+        )
+
+    wl = job.workload
+    _warm_up(family, engines, results, wl)
+    if job.fidelity_steps and engines:
+        emit("status", message="teacher-forced fidelity against stock")
+        try:
+            for name, rec in family.fidelity(model, engines, wl, job.fidelity_steps).items():
+                results[name].fidelity = rec
+        except Exception as exc:  # fidelity is a report, not a reason to lose the timings
+            emit("status", message=f"fidelity failed: {_describe(exc)}")
+
+    pairs = list(itertools.product(wl.prompts, wl.seeds))
+    total = len(pairs) * len(engines)
+    done = 0
+    saved: dict[str, int] = dict.fromkeys(engines, 0)
+    for rnd, (prompt, seed) in enumerate(pairs):
+        names = list(engines)
+        order = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate: no fixed first
+        for name in order:
+            if results[name].status == "failed":
+                continue
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                syn = family.synthesize(engines[name], prompt.text, seed, wl)
+            except Exception as exc:
+                results[name].status = "failed"
+                results[name].error = f"{prompt.id}/seed {seed}: {_describe(exc)}"
+                continue
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device)
+                results[name].peak_memory_bytes = max(results[name].peak_memory_bytes or 0, peak)
+            audio_path = None
+            if saved[name] < wl.save_audio:
+                rel = Path(name) / f"{prompt.id}_s{seed}.wav"
+                write_wav(out_dir / rel, syn.audio, syn.sample_rate)
+                audio_path, saved[name] = str(rel), saved[name] + 1
+            results[name].utterances.append(UtteranceRecord(
+                prompt_id=prompt.id, seed=seed, round=rnd,
+                latency_s=syn.latency_s, lm_s=syn.lm_s, codec_s=syn.codec_s,
+                prefill_s=syn.prefill_s, prompt_tokens=syn.prompt_tokens,
+                new_tokens=syn.new_tokens, frames=syn.frames,
+                audio_s=syn.audio.size / syn.sample_rate, stop_reason=syn.stop_reason,  # type: ignore[arg-type]
+                audio_path=audio_path, **integrity(syn.audio),
+            ))
+            done += 1
+            emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
+
+    for res in results.values():
+        res.metrics = summarize(res.utterances)
+    statuses = {r.status for r in results.values()}
+    status = "finished" if statuses <= {"ok"} else "failed" if statuses <= {"failed", "refused"} else "partial"
+    return ResultRecord(
+        job=job,
+        status=status,
+        started_at=started,
+        finished_at=utcnow(),
+        environment=environment.capture(job.model.device, family.config_hash(model)),
+        results=[results[s.name] for s in job.stacks],
+    )
+
+
+def _warm_up(family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any) -> None:
+    """Warm-ups are outside the timer: first-call compilation, graph capture, allocator."""
+    for name, engine in engines.items():
+        emit("status", message=f"warming up {name} ({wl.warmups}x)")
+        t0 = time.perf_counter()
+        try:
+            for i in range(wl.warmups):
+                family.synthesize(engine, wl.prompts[i % len(wl.prompts)].text, wl.seeds[0], wl)
+        except Exception as exc:
+            results[name].status = "failed"
+            results[name].error = f"warm-up: {_describe(exc)}"
+        results[name].warmup_s = time.perf_counter() - t0
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return f"OOM: {exc}"
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate-worker", description=__doc__)
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--out", type=Path, help="result JSON path (default: next to the job)")
+    args = parser.parse_args(argv)
+    job = JobSpec.model_validate_json(args.job.read_text())
+    out = args.out or args.job.with_name(f"result-{job.job_id}.json")
+    result = run_job(job)
+    result.write(out)
+    emit("done", result=str(out), status=result.status)
+    return 0 if result.status != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Reports: tables and figures regenerated from stored records, never by hand."""

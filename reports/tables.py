@@ -1,0 +1,40 @@
+"""Terminal tables for runs and comparisons (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+COLUMNS = [
+    ("median_latency_s", "median s", "{:.3f}"),
+    ("p95_latency_s", "p95 s", "{:.3f}"),
+    ("rtf", "RTF", "{:.4f}"),
+    ("audio_s_per_compute_s", "audio s/s", "{:.2f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("ms_per_token", "ms/tok", "{:.2f}"),
+    ("speedup_vs_baseline", "speedup", "{:.2f}x"),
+]
+
+
+def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
+    """stacks: [{name, status, exact, metrics: {...}, skipped: {...}}], baseline first."""
+    table = Table(title=title)
+    table.add_column("stack")
+    table.add_column("status")
+    for _, header, _ in COLUMNS:
+        table.add_column(header, justify="right")
+    table.add_column("valid", justify="right")
+    table.add_column("exact")
+    for i, s in enumerate(stacks):
+        m = s.get("metrics", {})
+        cells = []
+        for key, _, fmt in COLUMNS:
+            if key == "speedup_vs_baseline" and i == 0:
+                cells.append("baseline")
+            else:
+                cells.append(fmt.format(m[key]) if key in m else "-")
+        valid = f"{int(m.get('valid_recordings', 0))}/{int(m.get('utterances', 0))}" if m else "-"
+        status = s["status"] + (f" (skipped: {', '.join(s['skipped'])})" if s.get("skipped") else "")
+        table.add_row(s["name"], status, *cells, valid, "yes" if s.get("exact", True) else "APPROX")
+    return table

@@ -1,0 +1,38 @@
+"""Current-codebook head: only codebook (step % 8)'s 2,048 units + end-of-audio.
+
+APPROXIMATE. Stock lets any audio unit follow any other; this head enforces the expected
+q0..q7 order, so it changes the sampling distribution wherever stock would have put mass
+on another codebook. It goes through fidelity reporting and quality gates, never the
+exactness check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orchestrator.families.rumik.engine import Engine, HeadLogits
+from orchestrator.technique import Technique
+
+
+class CodebookHead(Technique):
+    name = "codebook_head"
+    family = "rumik"
+    exact = False
+    slots = ("head",)
+    summary = "APPROXIMATE: head restricted to the current codebook (2,049 rows at real size)."
+
+    def apply(self, engine: Engine) -> None:
+        model = engine.model
+        vocab = model.vocab
+        ids = torch.stack([vocab.codebook_ids(q, model.device) for q in range(vocab.num_quantizers)])
+        weight = model.lm.lm_head.weight[ids.flatten()].view(*ids.shape, -1).contiguous()
+        scale = model.lm.logit_scale
+        end = vocab.codebook_size
+        units = slice(0, end)
+
+        def head(hidden, step: int) -> HeadLogits:
+            q = step % vocab.num_quantizers  # the frame position decides the codebook
+            return HeadLogits((F.linear(hidden, weight[q]) * scale).float(), ids[q], end, units)
+
+        engine.head = head
