@@ -23,13 +23,22 @@ from orchestrator.config import (
 )
 from orchestrator.registry import StackError, discover
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Experiment orchestration for TTS inference speed-ups.")
-console = Console()
-err = Console(stderr=True)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Experiment orchestration for TTS inference speed-ups.",
+)
+# Piped output (scripts, CI logs) gets a wide table instead of one cut to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db).")]
+DbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db)."
+    ),
+]
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -49,17 +58,36 @@ def _print_json(obj: Any) -> None:
 
 @app.command()
 def run(
-    stack: Annotated[list[str], typer.Option("--stack", "-s", help="Stack name (experiments/) or YAML path; repeatable.")],
-    baseline: Annotated[str, typer.Option(help="Stack every other stack is compared against.")] = "stock",
-    model: Annotated[str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")] = "tiny",
-    workload: Annotated[str, typer.Option(help="Workload name (configs/workloads/) or YAML path.")] = "smoke",
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the model preset's).")] = None,
+    stack: Annotated[
+        list[str],
+        typer.Option("--stack", "-s", help="Stack name (experiments/) or YAML path; repeatable."),
+    ],
+    baseline: Annotated[
+        str, typer.Option(help="Stack every other stack is compared against.")
+    ] = "stock",
+    model: Annotated[
+        str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
+    ] = "tiny",
+    workload: Annotated[
+        str, typer.Option(help="Workload name (configs/workloads/) or YAML path.")
+    ] = "smoke",
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: the model preset's).")
+    ] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
-    strict: Annotated[bool, typer.Option(help="Refuse techniques this device lacks instead of skipping them.")] = False,
-    force: Annotated[bool, typer.Option(help="Re-run even if this exact experiment already finished.")] = False,
-    fidelity_steps: Annotated[int, typer.Option(help="Teacher-forced steps compared against stock (0: off).")] = 32,
+    strict: Annotated[
+        bool, typer.Option(help="Refuse techniques this device lacks instead of skipping them.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option(help="Re-run even if this exact experiment already finished.")
+    ] = False,
+    fidelity_steps: Annotated[
+        int, typer.Option(help="Teacher-forced steps compared against stock (0: off).")
+    ] = 32,
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
-    runs_dir: Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")] = Path("runs"),
+    runs_dir: Annotated[
+        Path, typer.Option(help="Where jobs, results and WAVs are written.")
+    ] = Path("runs"),
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -72,8 +100,15 @@ def run(
             raise ConfigError(f"--device must be cpu or cuda, not {device!r}")
         spec = load_model_spec(model, device=device, dtype=dtype)
         stacks = [load_stack(baseline)] + [load_stack(s) for s in stack if s != baseline]
-        job = plan_job(spec, load_workload(workload), stacks, load_protocol(), runs_dir,
-                       strict=strict, fidelity_steps=fidelity_steps)
+        job = plan_job(
+            spec,
+            load_workload(workload),
+            stacks,
+            load_protocol(),
+            runs_dir,
+            strict=strict,
+            fidelity_steps=fidelity_steps,
+        )
     except (ConfigError, StackError, ValueError) as exc:
         _fail(str(exc))
     store = _store(db)
@@ -101,8 +136,14 @@ class _progress:
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=err, transient=True)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        )
         self.task = self.bar.add_task("starting worker", total=None)
 
     def __enter__(self) -> Any:
@@ -116,8 +157,12 @@ class _progress:
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event.get("event") == "progress":
-            self.bar.update(self.task, completed=event["done"], total=event["total"],
-                            description=f"timing {event['stack']}")
+            self.bar.update(
+                self.task,
+                completed=event["done"],
+                total=event["total"],
+                description=f"timing {event['stack']}",
+            )
         elif event.get("event") == "status":
             self.bar.update(self.task, description=event["message"])
 
@@ -144,6 +189,7 @@ def ingest(
     from pydantic import ValidationError
 
     from orchestrator.runner import ingest as do_ingest
+    from orchestrator.store import StoreError
 
     if not result.exists():
         _fail(f"{result}: no such file")
@@ -151,9 +197,11 @@ def ingest(
     try:
         outcome = do_ingest(result, store, track=mlflow)
     except ValidationError as exc:
-        _fail(f"{result}: not a valid result record: {exc.error_count()} problems, first: "
-              f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
-    except ValueError as exc:
+        _fail(
+            f"{result}: not a valid result record: {exc.error_count()} problems, first: "
+            f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+        )
+    except (ValueError, StoreError) as exc:
         _fail(str(exc))
     if as_json:
         _print_json(store.get_run(outcome.run_id))
@@ -165,10 +213,20 @@ def ingest(
 def techniques(as_json: JsonOpt = False) -> None:
     """List installed technique plugins with their metadata."""
     rows = [
-        {"name": n, "version": c.version, "family": c.family, "exact": c.exact,
-         "slots": list(c.slots), "wraps": list(c.wraps), "requires": list(c.requires),
-         "after": list(c.after), "conflicts": list(c.conflicts), "summary": c.summary,
-         "module": c.__module__, "params": c.Params.model_json_schema().get("properties", {})}
+        {
+            "name": n,
+            "version": c.version,
+            "family": c.family,
+            "exact": c.exact,
+            "slots": list(c.slots),
+            "wraps": list(c.wraps),
+            "requires": list(c.requires),
+            "after": list(c.after),
+            "conflicts": list(c.conflicts),
+            "summary": c.summary,
+            "module": c.__module__,
+            "params": c.Params.model_json_schema().get("properties", {}),
+        }
         for n, c in sorted(discover().items())
     ]
     if as_json:
@@ -177,9 +235,15 @@ def techniques(as_json: JsonOpt = False) -> None:
     for col in ("name", "family", "exact", "slots", "requires", "after", "summary"):
         table.add_column(col)
     for r in rows:
-        table.add_row(f"{r['name']}@{r['version']}", r["family"], "yes" if r["exact"] else "APPROX",
-                      ", ".join(r["slots"] + [f"~{w}" for w in r["wraps"]]),
-                      ", ".join(r["requires"]) or "-", ", ".join(r["after"]) or "-", r["summary"])
+        table.add_row(
+            f"{r['name']}@{r['version']}",
+            r["family"],
+            "yes" if r["exact"] else "APPROX",
+            ", ".join(r["slots"] + [f"~{w}" for w in r["wraps"]]),
+            ", ".join(r["requires"]) or "-",
+            ", ".join(r["after"]) or "-",
+            r["summary"],
+        )
     console.print(table)
 
 
@@ -193,9 +257,16 @@ def stacks(as_json: JsonOpt = False) -> None:
         try:
             spec = load_stack(str(path))
             built = build_stack(spec)
-            rows.append({"name": spec.name, "family": spec.family, "exact": built.exact,
-                         "techniques": [t.name for t in spec.techniques], "valid": True,
-                         "description": spec.description})
+            rows.append(
+                {
+                    "name": spec.name,
+                    "family": spec.family,
+                    "exact": built.exact,
+                    "techniques": [t.name for t in spec.techniques],
+                    "valid": True,
+                    "description": spec.description,
+                }
+            )
         except (ConfigError, StackError) as exc:
             rows.append({"name": path.stem, "valid": False, "error": str(exc)})
     if as_json:
@@ -205,8 +276,12 @@ def stacks(as_json: JsonOpt = False) -> None:
         table.add_column(col)
     for r in rows:
         if r["valid"]:
-            table.add_row(r["name"], " -> ".join(r["techniques"]) or "(stock)",
-                          "yes" if r["exact"] else "APPROX", r["description"])
+            table.add_row(
+                r["name"],
+                " -> ".join(r["techniques"]) or "(stock)",
+                "yes" if r["exact"] else "APPROX",
+                r["description"],
+            )
         else:
             table.add_row(r["name"], f"[red]invalid: {r['error']}[/red]", "", "")
     console.print(table)
@@ -222,15 +297,24 @@ def runs(limit: int = 20, db: DbOpt = None, as_json: JsonOpt = False) -> None:
     for col in ("id", "status", "started", "model", "workload", "stacks", "error"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["id"][:12], r["status"], str(r["started_at"])[:19], str(r.get("model", "")),
-                      r.get("workload_name", ""), ", ".join(r.get("stacks", [])),
-                      (r.get("error") or "")[:60])
+        table.add_row(
+            r["id"][:12],
+            r["status"],
+            str(r["started_at"])[:19],
+            str(r.get("model", "")),
+            r.get("workload_name", ""),
+            ", ".join(r.get("stacks", [])),
+            (r.get("error") or "")[:60],
+        )
     console.print(table)
 
 
 @app.command()
-def show(run_id: Annotated[str, typer.Argument(help="Run id or unique prefix.")],
-         db: DbOpt = None, as_json: JsonOpt = False) -> None:
+def show(
+    run_id: Annotated[str, typer.Argument(help="Run id or unique prefix.")],
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Metrics of one run, each stack against the baseline."""
     try:
         run_row = _store(db).get_run(run_id)
@@ -242,22 +326,28 @@ def show(run_id: Annotated[str, typer.Argument(help="Run id or unique prefix.")]
 def _show(run_row: dict[str, Any]) -> None:
     from reports.tables import stack_table
 
-    title = (f"run {run_row['id'][:12]} · {run_row['status']} · {run_row.get('workload_name')} · "
-             f"{(run_row.get('environment') or {}).get('device_name', '')}")
+    title = (
+        f"run {run_row['id'][:12]} · {run_row['status']} · {run_row.get('workload_name')} · "
+        f"{(run_row.get('environment') or {}).get('device_name', '')}"
+    )
     console.print(stack_table(title, run_row["stacks"]))
     for s in run_row["stacks"]:
         if s.get("error"):
             console.print(f"[red]{s['name']}: {s['error']}[/red]")
         fid = s.get("fidelity")
-        if fid and s["position"] > 0 or (fid and s.get("applied")):
+        if (fid and s["position"] > 0) or (fid and s.get("applied")):
             verdict = "within tolerance" if fid["within_tolerance"] else "OUTSIDE tolerance"
-            console.print(f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "
-                          f"mean KL {fid['mean_kl']:.3g}, top-1 {fid['top1_agreement']:.3f}, "
-                          f"top-k overlap {fid['topk_agreement']:.3f}")
+            console.print(
+                f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "
+                f"mean KL {fid['mean_kl']:.3g}, top-1 {fid['top1_agreement']:.3f}, "
+                f"top-k overlap {fid['topk_agreement']:.3f}"
+            )
 
 
 @app.command()
-def schema(name: Annotated[str | None, typer.Argument(help=f"One of {sorted(SCHEMAS)}.")] = None) -> None:
+def schema(
+    name: Annotated[str | None, typer.Argument(help=f"One of {sorted(SCHEMAS)}.")] = None,
+) -> None:
     """JSON schema of the config files (all of them without a name)."""
     if name and name not in SCHEMAS:
         _fail(f"unknown schema {name!r}; known: {', '.join(sorted(SCHEMAS))}")

@@ -208,7 +208,9 @@ def load_protocol(name_or_path: str = "protocol") -> Protocol:
     return load_model(Protocol, path)
 
 
-def load_model_spec(preset_or_path: str, device: str | None = None, dtype: str | None = None) -> ModelSpec:
+def load_model_spec(
+    preset_or_path: str, device: str | None = None, dtype: str | None = None
+) -> ModelSpec:
     """A preset name (configs/models/NAME.yaml) or a local weights folder."""
     models_dir = CONFIG_DIR / "models"
     preset_file = models_dir / f"{preset_or_path}.yaml"

@@ -16,10 +16,21 @@ from orchestrator.records import EnvironmentInfo
 
 def git_state() -> tuple[str | None, bool | None]:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=5).stdout
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
         return sha, bool(dirty.strip())
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("ORCHESTRATE_CODE_SHA"), None
@@ -28,10 +39,17 @@ def git_state() -> tuple[str | None, bool | None]:
 def _nvidia_smi() -> dict[str, float | str]:
     fields = "driver_version,clocks.sm,clocks.mem,power.draw"
     try:
-        line = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip().splitlines()[0]
+        line = (
+            subprocess.run(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, subprocess.SubprocessError, IndexError):
         return {}
     out: dict[str, float | str] = {}

@@ -40,15 +40,19 @@ def summarize(utts: Sequence[UtteranceRecord]) -> dict[str, float]:
         "p95_latency_s": percentile(lat, 95),
         "mean_latency_s": total_t / len(utts),
         "total_audio_s": total_audio,
-        "rtf": total_t / total_audio if total_audio else float("inf"),
-        "audio_s_per_compute_s": total_audio / total_t if total_t else 0.0,
-        "tokens_per_s": tokens / lm if lm else 0.0,
-        "ms_per_token": 1000 * lm / tokens if tokens else float("nan"),
-        "lm_share": lm / total_t if total_t else float("nan"),
         "median_lm_s": statistics.median(u.lm_s for u in utts),
         "median_codec_s": statistics.median(u.codec_s for u in utts),
         "clipped_samples": float(sum(u.clipped_samples for u in utts)),
     }
+    # Ratios only where defined: a store refuses NaN/inf rather than guess what it meant.
+    if total_audio > 0 and total_t > 0:
+        out["rtf"] = total_t / total_audio
+        out["audio_s_per_compute_s"] = total_audio / total_t
+    if lm > 0 and tokens > 0:
+        out["tokens_per_s"] = tokens / lm
+        out["ms_per_token"] = 1000 * lm / tokens
+    if total_t > 0:
+        out["lm_share"] = lm / total_t
     ttfa = [u.time_to_first_audio_s for u in utts if u.time_to_first_audio_s is not None]
     if ttfa:
         out["median_ttfa_s"] = statistics.median(ttfa)
@@ -61,7 +65,7 @@ def compare(base: Sequence[UtteranceRecord], cand: Sequence[UtteranceRecord]) ->
     Pairs are the same (prompt, seed, round): measured back to back in the interleaved run.
     """
     b, c = summarize(base), summarize(cand)
-    if not b or not c:
+    if "rtf" not in b or "rtf" not in c:
         return {}
     out = {
         "speedup_vs_baseline": b["rtf"] / c["rtf"],

@@ -14,7 +14,7 @@ from pathlib import Path
 from orchestrator.config import ModelSpec, Protocol, StackSpec, Workload
 from orchestrator.environment import git_state
 from orchestrator.records import JobSpec
-from orchestrator.registry import StackError, build_stack, get
+from orchestrator.registry import StackError, build_stack, discover
 from orchestrator.technique import DeviceCaps
 
 
@@ -36,28 +36,46 @@ def plan_job(
         raise StackError("--device cuda was asked for, but no CUDA device is visible here")
     for stack in stacks:
         if stack.family != model.family:
-            raise StackError(f"stack {stack.name!r} is for {stack.family!r}; model is {model.family!r}")
+            raise StackError(
+                f"stack {stack.name!r} is for {stack.family!r}; model is {model.family!r}"
+            )
         build_stack(stack, caps, strict=strict)  # raises on anything invalid
     sha, _ = git_state()
-    job = JobSpec(model=model, workload=workload, stacks=stacks, protocol=protocol,
-                  strict=strict, fidelity_steps=fidelity_steps, output_dir="", code_sha=sha)
+    job = JobSpec(
+        model=model,
+        workload=workload,
+        stacks=stacks,
+        protocol=protocol,
+        strict=strict,
+        fidelity_steps=fidelity_steps,
+        output_dir="",
+        code_sha=sha,
+    )
     return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
 
 
 def identity(job: JobSpec) -> str:
     """What makes two runs the same experiment: model, workload, stacks with technique
     versions, protocol and code. A repeated identity is not re-run unless forced."""
+    known = discover()  # a result from a host with other plugins still gets an identity
     stacks = [
-        {"spec": s.model_dump(mode="json"),
-         "versions": {t.name: get(t.name).version for t in s.techniques}}
+        {
+            "spec": s.model_dump(mode="json"),
+            "versions": {
+                t.name: known[t.name].version if t.name in known else None for t in s.techniques
+            },
+        }
         for s in job.stacks
     ]
-    blob = json.dumps({
-        "model": job.model.model_dump(mode="json"),
-        "workload": job.workload.model_dump(mode="json"),
-        "stacks": stacks,
-        "protocol": job.protocol.content_hash(),
-        "code": job.code_sha,
-        "strict": job.strict,
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "model": job.model.model_dump(mode="json"),
+            "workload": job.workload.model_dump(mode="json"),
+            "stacks": stacks,
+            "protocol": job.protocol.content_hash(),
+            "code": job.code_sha,
+            "strict": job.strict,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]

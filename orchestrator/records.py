@@ -52,11 +52,15 @@ class JobSpec(Record):
     workload: Workload
     stacks: list[StackSpec] = Field(min_length=1)
     protocol: Protocol = Protocol()
-    strict: bool = Field(False, description="Refuse (instead of skip) techniques this device lacks.")
+    strict: bool = Field(
+        False, description="Refuse (instead of skip) techniques this device lacks."
+    )
     fidelity_steps: int = Field(
         32, ge=0, description="Teacher-forced steps for next-token fidelity against stock (0: off)."
     )
-    output_dir: str = Field(description="Where the worker writes WAVs (relative to its cwd or absolute).")
+    output_dir: str = Field(
+        description="Where the worker writes WAVs (relative to its cwd or absolute)."
+    )
     code_sha: str | None = None
 
     @property
@@ -128,7 +132,9 @@ class FidelityRecord(Record):
 class StackResult(Record):
     stack: StackSpec
     status: Literal["ok", "partial", "failed", "refused"]
-    applied: list[str] = Field(default_factory=list, description="name@version of applied techniques")
+    applied: list[str] = Field(
+        default_factory=list, description="name@version of applied techniques"
+    )
     skipped: dict[str, str] = Field(default_factory=dict, description="technique -> why skipped")
     exact: bool = Field(True, description="False when any applied technique is approximate.")
     error: str | None = None

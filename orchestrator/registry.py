@@ -31,7 +31,9 @@ def discover() -> dict[str, type[Technique]]:
         try:
             cls = ep.load()
         except Exception as exc:  # a broken plugin must not hide the others
-            raise StackError(f"technique plugin {ep.name!r} ({ep.value}) failed to import: {exc}")
+            raise StackError(
+                f"technique plugin {ep.name!r} ({ep.value}) failed to import: {exc}"
+            ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Technique)):
             raise StackError(f"entry point {ep.name!r} ({ep.value}) is not a Technique subclass")
         if cls.name != ep.name:
@@ -64,7 +66,9 @@ class BuiltStack:
         return bool(self.skipped)
 
 
-def build_stack(spec: StackSpec, caps: DeviceCaps | None = None, strict: bool = False) -> BuiltStack:
+def build_stack(
+    spec: StackSpec, caps: DeviceCaps | None = None, strict: bool = False
+) -> BuiltStack:
     """Validate `spec` and instantiate its techniques in order.
 
     With `caps`, techniques whose requirements the device lacks are skipped (recorded with
@@ -132,4 +136,6 @@ def _names(spec: StackSpec) -> list[str]:
 
 
 def _explain(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()
+    )

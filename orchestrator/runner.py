@@ -51,8 +51,9 @@ def comparisons(result: ResultRecord) -> dict[str, dict[str, float]]:
     }
 
 
-def spawn_worker(job_path: Path, result_path: Path, log_path: Path,
-                 on_event: Callable[[dict[str, Any]], None]) -> int:
+def spawn_worker(
+    job_path: Path, result_path: Path, log_path: Path, on_event: Callable[[dict[str, Any]], None]
+) -> int:
     cmd = [sys.executable, "-m", "orchestrator.worker", str(job_path), "--out", str(result_path)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -87,8 +88,15 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise Interrupted(f"orchestrator received {signal.Signals(signum).name}")
 
 
-def execute(job: JobSpec, store: Any, runs_dir: Path, *, track: bool = True,
-            force: bool = False, on_event: Callable[[dict[str, Any]], None] = lambda e: None) -> Outcome:
+def execute(
+    job: JobSpec,
+    store: Any,
+    runs_dir: Path,
+    *,
+    track: bool = True,
+    force: bool = False,
+    on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+) -> Outcome:
     ident = identity(job)
     if not force and (prev := store.find_run_by_identity(ident)):
         return Outcome(prev["id"], prev["status"], None, {}, None, reused=True)
@@ -96,7 +104,11 @@ def execute(job: JobSpec, store: Any, runs_dir: Path, *, track: bool = True,
     job_dir = runs_dir / job.job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     job = job.model_copy(update={"output_dir": str(job_dir.resolve())})
-    job_path, result_path, log_path = job_dir / "job.json", job_dir / "result.json", job_dir / "worker.log"
+    job_path, result_path, log_path = (
+        job_dir / "job.json",
+        job_dir / "result.json",
+        job_dir / "worker.log",
+    )
     job.write(job_path)
     run_id = store.begin_run(job, ident)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -111,7 +123,11 @@ def execute(job: JobSpec, store: Any, runs_dir: Path, *, track: bool = True,
             from orchestrator import tracking
 
             mlflow_id = tracking.log_run(result, run_id, comps, result_path, job_dir)
-        store.finish_run(run_id, result, comps, result_path=str(result_path), mlflow_run_id=mlflow_id)
+        store.finish_run(
+            run_id, result, comps, result_path=str(result_path), mlflow_run_id=mlflow_id
+        )
+        if mlflow_id:
+            store.set_mlflow_run_ids(run_id, mlflow_id, tracking.stack_run_ids(mlflow_id))
         return Outcome(run_id, result.status, result, comps, result_path, mlflow_id)
     except (KeyboardInterrupt, Interrupted) as exc:
         store.fail_run(run_id, "INTERRUPTED", str(exc) or "interrupted (Ctrl-C)")
@@ -136,5 +152,5 @@ def ingest(result_path: Path, store: Any, *, track: bool = True) -> Outcome:
         from orchestrator import tracking
 
         mlflow_id = tracking.log_run(result, run_id, comps, result_path, result_path.parent)
-        store.set_mlflow_run_id(run_id, mlflow_id)
+        store.set_mlflow_run_ids(run_id, mlflow_id, tracking.stack_run_ids(mlflow_id))
     return Outcome(run_id, result.status, result, comps, result_path, mlflow_id)

@@ -86,7 +86,8 @@ class DeviceCaps:
             if self.kind != "cuda" or self.capability is None:
                 return "needs a Hopper GPU (sm_90); running on the CPU"
             if self.capability < (9, 0):
-                return f"needs a Hopper GPU (sm_90); {self.name} is sm_{self.capability[0]}{self.capability[1]}"
+                major, minor = self.capability
+                return f"needs a Hopper GPU (sm_90); {self.name} is sm_{major}{minor}"
             return None
         if requirement.startswith("package:"):
             pkg = requirement.removeprefix("package:")

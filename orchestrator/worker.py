@@ -80,7 +80,7 @@ def run_job(job: JobSpec) -> ResultRecord:
     saved: dict[str, int] = dict.fromkeys(engines, 0)
     for rnd, (prompt, seed) in enumerate(pairs):
         names = list(engines)
-        order = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate: no fixed first
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate: no fixed first
         for name in order:
             if results[name].status == "failed":
                 continue
@@ -100,21 +100,37 @@ def run_job(job: JobSpec) -> ResultRecord:
                 rel = Path(name) / f"{prompt.id}_s{seed}.wav"
                 write_wav(out_dir / rel, syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
-            results[name].utterances.append(UtteranceRecord(
-                prompt_id=prompt.id, seed=seed, round=rnd,
-                latency_s=syn.latency_s, lm_s=syn.lm_s, codec_s=syn.codec_s,
-                prefill_s=syn.prefill_s, prompt_tokens=syn.prompt_tokens,
-                new_tokens=syn.new_tokens, frames=syn.frames,
-                audio_s=syn.audio.size / syn.sample_rate, stop_reason=syn.stop_reason,  # type: ignore[arg-type]
-                audio_path=audio_path, **integrity(syn.audio),
-            ))
+            results[name].utterances.append(
+                UtteranceRecord(
+                    prompt_id=prompt.id,
+                    seed=seed,
+                    round=rnd,
+                    latency_s=syn.latency_s,
+                    lm_s=syn.lm_s,
+                    codec_s=syn.codec_s,
+                    prefill_s=syn.prefill_s,
+                    prompt_tokens=syn.prompt_tokens,
+                    new_tokens=syn.new_tokens,
+                    frames=syn.frames,
+                    audio_s=syn.audio.size / syn.sample_rate,
+                    stop_reason=syn.stop_reason,  # type: ignore[arg-type]
+                    audio_path=audio_path,
+                    **integrity(syn.audio),
+                )
+            )
             done += 1
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
 
     for res in results.values():
         res.metrics = summarize(res.utterances)
     statuses = {r.status for r in results.values()}
-    status = "finished" if statuses <= {"ok"} else "failed" if statuses <= {"failed", "refused"} else "partial"
+    status = (
+        "finished"
+        if statuses <= {"ok"}
+        else "failed"
+        if statuses <= {"failed", "refused"}
+        else "partial"
+    )
     return ResultRecord(
         job=job,
         status=status,
@@ -125,7 +141,9 @@ def run_job(job: JobSpec) -> ResultRecord:
     )
 
 
-def _warm_up(family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any) -> None:
+def _warm_up(
+    family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any
+) -> None:
     """Warm-ups are outside the timer: first-call compilation, graph capture, allocator."""
     for name, engine in engines.items():
         emit("status", message=f"warming up {name} ({wl.warmups}x)")

@@ -126,13 +126,15 @@ class StockDecoder:
     def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         # Upstream calls the full LM here, projecting every prompt position through the
         # 277k head; we pay that too so stock is not made faster than upstream.
-        out = self.lm(input_ids=prompt_ids, cache=self.cache, use_cache=True,
-                      output_hidden_states=True)
+        out = self.lm(
+            input_ids=prompt_ids, cache=self.cache, use_cache=True, output_hidden_states=True
+        )
         return out.hidden_states[-1][:, -1, :]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        out = self.lm.model(input_ids=token, cache=self.cache, use_cache=True,
-                            output_hidden_states=True)
+        out = self.lm.model(
+            input_ids=token, cache=self.cache, use_cache=True, output_hidden_states=True
+        )
         return out.hidden_states[-1][:, -1, :]
 
 
@@ -197,8 +199,10 @@ def host_loop(
     """
     model = engine.model
     device = model.device
-    cap = sampling.max_new_tokens if frames is None else min(
-        sampling.max_new_tokens, frames * model.vocab.num_quantizers
+    cap = (
+        sampling.max_new_tokens
+        if frames is None
+        else min(sampling.max_new_tokens, frames * model.vocab.num_quantizers)
     )
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
     hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
@@ -213,8 +217,9 @@ def host_loop(
             stop = engine.stop_probability(hidden).item() > 0.5  # host sync, as upstream
             force_end = stop and frames is None
         allow_end = frames is None and step >= sampling.min_tokens_before_stop
-        token = engine.sampler(head, allow_end=allow_end, force_end=force_end,
-                               sampling=sampling, generator=generator)
+        token = engine.sampler(
+            head, allow_end=allow_end, force_end=force_end, sampling=sampling, generator=generator
+        )
         token_id = int(token.item())
         if token_id == model.vocab.end_id:
             return Generation(tokens, "stop_head" if force_end else "end_token")
@@ -232,7 +237,9 @@ class SeparateProjections:
         a, m = self.layers[i]
         return a.q_proj(xn), a.k_proj(xn), a.v_proj(xn), m.gate_proj(xn), m.up_proj(xn)
 
-    def residual(self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    def residual(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
+    ) -> torch.Tensor:
         a, m = self.layers[i]
         return x + a.o_proj(attn) + m.down_proj(act)  # transformers' order of the two adds
 

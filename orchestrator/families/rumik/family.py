@@ -56,8 +56,11 @@ class RumikFamily:
         gen = engine.loop(engine, prompt_ids, frames, workload.sampling, generator)
         _sync(device)
         t1 = time.perf_counter()
-        codes = (model.vocab.tokens_to_codes(gen.tokens) if frames is None
-                 else model.vocab.positional_codes(gen.tokens))
+        codes = (
+            model.vocab.tokens_to_codes(gen.tokens)
+            if frames is None
+            else model.vocab.positional_codes(gen.tokens)
+        )
         if codes.shape[-1]:
             audio = model.codec.decode(codes.to(device)).audio_values.float().reshape(-1).cpu()
         else:
@@ -85,11 +88,18 @@ class RumikFamily:
         prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
         generator = torch.Generator(device=model.device).manual_seed(workload.seeds[0])
         with torch.inference_mode():
-            tokens = stock.loop(stock, prompt_ids, -(-steps // 8), workload.sampling, generator).tokens
+            tokens = stock.loop(
+                stock, prompt_ids, -(-steps // 8), workload.sampling, generator
+            ).tokens
         ref = fidelity.teacher_forced(stock, prompt_ids, tokens[:steps])
         s = workload.sampling
         return {
-            name: fidelity.compare(ref, fidelity.teacher_forced(eng, prompt_ids, tokens[:steps]),
-                                   s.temperature, s.top_k, model.dtype)
+            name: fidelity.compare(
+                ref,
+                fidelity.teacher_forced(eng, prompt_ids, tokens[:steps]),
+                s.temperature,
+                s.top_k,
+                model.dtype,
+            )
             for name, eng in engines.items()
         }

@@ -24,7 +24,12 @@ def canonical(engine: Engine, out: HeadLogits) -> torch.Tensor:
     dst = torch.full((n,), float("-inf"), device=out.logits.device)
     row = out.logits[0]
     if out.column_ids is None:  # full vocabulary: pick the candidate columns
-        return torch.cat([row[vocab.first_unit_id : vocab.last_unit_id + 1], row[vocab.end_id : vocab.end_id + 1]])
+        return torch.cat(
+            [
+                row[vocab.first_unit_id : vocab.last_unit_id + 1],
+                row[vocab.end_id : vocab.end_id + 1],
+            ]
+        )
     pos = torch.where(out.column_ids == vocab.end_id, n - 1, out.column_ids - vocab.first_unit_id)
     dst[pos] = row
     return dst
@@ -44,8 +49,9 @@ def teacher_forced(engine: Engine, prompt_ids: list[int], tokens: list[int]) -> 
     return torch.stack(rows).float()
 
 
-def compare(stock: torch.Tensor, other: torch.Tensor, temperature: float, top_k: int,
-            dtype: torch.dtype) -> FidelityRecord:
+def compare(
+    stock: torch.Tensor, other: torch.Tensor, temperature: float, top_k: int, dtype: torch.dtype
+) -> FidelityRecord:
     finite = torch.isfinite(other)
     diff = (other - stock).abs().where(finite, torch.zeros_like(stock))
     scale = stock[torch.isfinite(stock)].std().clamp_min(1e-6)

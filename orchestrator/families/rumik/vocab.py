@@ -34,8 +34,10 @@ class AudioVocab:
 
     def codebook_ids(self, q: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Codebook q's units (stride 8), then end-of-audio last."""
-        units = self.first_unit_id + q + self.num_quantizers * torch.arange(
-            self.codebook_size, device=device
+        units = (
+            self.first_unit_id
+            + q
+            + self.num_quantizers * torch.arange(self.codebook_size, device=device)
         )
         return torch.cat([units, torch.tensor([self.end_id], device=device)])
 
@@ -105,7 +107,7 @@ class ByteTokenizer:
             "<audio>": first_special + 1,
             "<text>": first_special + 2,
         }
-        if self.BYTE_OFFSET + 256 > vocab.first_unit_id:
+        if vocab.first_unit_id < self.BYTE_OFFSET + 256:
             raise ValueError("vocabulary too small for the byte tokenizer")
 
     def encode(self, prompt: str) -> list[int]:

@@ -1,0 +1,119 @@
+"""The orchestrator's database: engine set-up and schema migrations.
+
+Any SQLAlchemy URL works; the default is a SQLite file in the current directory. The worker
+side never imports this package (a GPU host needs no database).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+DEFAULT_URL = "sqlite:///orchestrate.db"
+URL_ENV = "ORCHESTRATE_DB_URL"
+# Seconds a SQLite writer waits for another writer's lock before "database is locked".
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Execution option that makes a SQLite transaction take the write lock at BEGIN.
+IMMEDIATE = "orchestrate_sqlite_immediate"
+
+
+def default_url() -> str:
+    return os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def make_engine(url: str | None = None) -> Engine:
+    """An engine for `url`; SQLite gets WAL, a busy timeout, foreign keys and real BEGINs."""
+    url = url or default_url()
+    if make_url(url).get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+    return engine
+
+
+def writer(engine: Engine) -> Engine:
+    """The same engine, but its transactions take SQLite's write lock up front.
+
+    In WAL mode a deferred transaction that has read and then tries to write after another
+    writer committed fails at once with "database is locked" (the busy timeout does not
+    apply to that upgrade), so transactions that write begin IMMEDIATE and queue instead.
+    Other databases ignore the option.
+    """
+    return engine.execution_options(**{IMMEDIATE: True})
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Take BEGIN away from the sqlite3 module: its legacy mode does not begin a transaction
+    # before SELECT or DDL, which breaks atomicity and savepoints. _sqlite_on_begin emits it.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers no longer block the writer
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA foreign_keys=ON")  # SQLite ignores foreign keys unless asked
+        cursor.execute("PRAGMA synchronous=NORMAL")  # durable enough with WAL, much faster
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    immediate = conn.get_execution_options().get(IMMEDIATE, False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def upgrade(connection: Connection) -> None:
+    """Upgrade the database behind `connection` to the newest revision, in one transaction.
+
+    The caller's transaction is used so that on SQLite two processes opening a fresh
+    database at once cannot both try to create the tables: the second waits for the write
+    lock, then finds the schema already at head.
+    """
+    from alembic import command
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    cfg = _alembic_config(connection)
+    script = ScriptDirectory.from_config(cfg)
+    current = MigrationContext.configure(connection).get_current_revision()
+    if current == script.get_current_head():
+        return  # the common case: skip running env.py (and alembic's log lines)
+    if current is not None and current not in {r.revision for r in script.walk_revisions()}:
+        raise RuntimeError(
+            f"database schema revision {current!r} is unknown to this version of orchestrate "
+            "(was the database written by a newer one?)"
+        )
+    command.upgrade(cfg, "head")
+
+
+def migrate(url: str | None = None) -> None:
+    """Upgrade the database at `url` (default: $ORCHESTRATE_DB_URL or ./orchestrate.db)."""
+    engine = make_engine(url)
+    try:
+        with writer(engine).begin() as conn:
+            upgrade(conn)
+    finally:
+        engine.dispose()
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config(None)).get_current_head()
+    assert head is not None, "no migrations found"
+    return head
+
+
+def _alembic_config(connection: Connection | None) -> Any:
+    from alembic.config import Config
+
+    # Built in code so that no alembic.ini is needed at runtime (migrations/alembic.ini is
+    # only for developers running the alembic CLI).
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["connection"] = connection
+    return cfg

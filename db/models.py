@@ -1,0 +1,224 @@
+"""Tables of the orchestrator database.
+
+A run is one comparison of stacks measured in one job; each stack inside it is a
+stack_result with its utterances and metrics. Stack definitions are shared between runs
+(deduplicated by content hash). Decisions and failures are ledgers that outlive runs.
+
+Any change here needs a new revision in db/migrations/versions (tests compare the two).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+RUN_STATUSES = ("RUNNING", "FINISHED", "PARTIAL", "FAILED", "INTERRUPTED")
+STACK_STATUSES = ("ok", "partial", "failed", "refused")
+VERDICTS = ("accept", "retain")
+FAILURE_CAUSES = ("slower", "gate", "crash", "oom", "compile", "refused", "interrupted", "other")
+
+# Deterministic constraint names, so later migrations (SQLite batch mode) can refer to them.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores UTC; always returns timezone-aware datetimes (SQLite drops the zone)."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware one")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (CheckConstraint(one_of("status", RUN_STATUSES), name="status"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    # Hash of model + workload + stacks + protocol + code sha: equal identities measured
+    # the same thing, so a FINISHED one can be reused instead of re-measured.
+    identity: Mapped[str] = mapped_column(String(64), index=True)
+    # One job is recorded once (a second ingest of the same result is refused).
+    job_id: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    family: Mapped[str] = mapped_column(String(32), index=True)
+    model_json: Mapped[str] = mapped_column(Text)
+    workload_name: Mapped[str] = mapped_column(String(128), index=True)
+    workload_json: Mapped[str] = mapped_column(Text)
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+    protocol_version: Mapped[int] = mapped_column(Integer)
+    code_sha: Mapped[str | None] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(255))
+    # The orchestrator process owning a RUNNING row: if it is gone, the run was interrupted.
+    pid: Mapped[int | None] = mapped_column(Integer)
+    # The whole job spec, so a run can be re-planned or re-run exactly.
+    job_json: Mapped[str] = mapped_column(Text)
+    # Set exactly when a worker's result has been recorded (every result has one).
+    environment_json: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    result_path: Mapped[str | None] = mapped_column(Text)
+    baseline_stack: Mapped[str] = mapped_column(String(128))
+
+    stack_results: Mapped[list[StackResultRow]] = relationship(
+        back_populates="run", order_by="StackResultRow.position", cascade="all, delete-orphan"
+    )
+
+
+class Stack(Base):
+    __tablename__ = "stacks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    family: Mapped[str] = mapped_column(String(32))
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    spec_json: Mapped[str] = mapped_column(Text)
+
+
+class StackResultRow(Base):
+    __tablename__ = "stack_results"
+    __table_args__ = (
+        UniqueConstraint("run_id", "position"),
+        CheckConstraint(one_of("status", STACK_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    stack_id: Mapped[int] = mapped_column(ForeignKey("stacks.id"), index=True)
+    position: Mapped[int] = mapped_column(Integer)  # 0 is the baseline
+    status: Mapped[str] = mapped_column(String(16))
+    exact: Mapped[bool] = mapped_column(Boolean)
+    applied_json: Mapped[str] = mapped_column(Text)
+    skipped_json: Mapped[str] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    setup_s: Mapped[float] = mapped_column(Float)
+    warmup_s: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    fidelity_json: Mapped[str | None] = mapped_column(Text)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+
+    run: Mapped[Run] = relationship(back_populates="stack_results")
+    stack: Mapped[Stack] = relationship()
+    utterances: Mapped[list[Utterance]] = relationship(
+        order_by="Utterance.position", cascade="all, delete-orphan"
+    )
+    metrics: Mapped[list[Metric]] = relationship(cascade="all, delete-orphan")
+
+
+class Utterance(Base):
+    __tablename__ = "utterances"
+    __table_args__ = (UniqueConstraint("stack_result_id", "position"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stack_result_id: Mapped[int] = mapped_column(
+        ForeignKey("stack_results.id", ondelete="CASCADE"), index=True
+    )
+    position: Mapped[int] = mapped_column(Integer)  # order in the result record
+    prompt_id: Mapped[str] = mapped_column(String(128))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    round: Mapped[int] = mapped_column(Integer)
+    latency_s: Mapped[float] = mapped_column(Float)
+    lm_s: Mapped[float] = mapped_column(Float)
+    codec_s: Mapped[float] = mapped_column(Float)
+    prefill_s: Mapped[float | None] = mapped_column(Float)
+    time_to_first_audio_s: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    new_tokens: Mapped[int] = mapped_column(Integer)
+    frames: Mapped[int] = mapped_column(Integer)
+    audio_s: Mapped[float] = mapped_column(Float)
+    stop_reason: Mapped[str] = mapped_column(String(32))
+    audio_path: Mapped[str | None] = mapped_column(Text)
+    finite: Mapped[bool] = mapped_column(Boolean)
+    peak_abs: Mapped[float] = mapped_column(Float)
+    clipped_samples: Mapped[int] = mapped_column(Integer)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+
+    stack_result_id: Mapped[int] = mapped_column(
+        ForeignKey("stack_results.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+
+
+class Decision(Base):
+    """A verdict of the accept/retain protocol on one measured stack."""
+
+    __tablename__ = "decisions"
+    __table_args__ = (CheckConstraint(one_of("verdict", VERDICTS), name="verdict"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    stack_result_id: Mapped[int] = mapped_column(
+        ForeignKey("stack_results.id", ondelete="CASCADE"), index=True
+    )
+    family: Mapped[str] = mapped_column(String(32))
+    workload_name: Mapped[str] = mapped_column(String(128))
+    hardware: Mapped[str] = mapped_column(String(255))
+    verdict: Mapped[str] = mapped_column(String(16))
+    reasons_json: Mapped[str] = mapped_column(Text)
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+
+
+class Failure(Base):
+    """Failure ledger: what failed, where, and why (kept even when runs are deleted)."""
+
+    __tablename__ = "failures"
+    __table_args__ = (CheckConstraint(one_of("cause", FAILURE_CAUSES), name="cause"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    run_id: Mapped[str | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="SET NULL"), index=True
+    )
+    stack_name: Mapped[str | None] = mapped_column(String(128))
+    cause: Mapped[str] = mapped_column(String(16))
+    detail: Mapped[str] = mapped_column(Text)
+
+
+def columns(row: Base) -> dict[str, Any]:
+    """A row's column values as a plain dict (no ORM state leaks to callers)."""
+    return {c.key: getattr(row, c.key) for c in row.__table__.columns}

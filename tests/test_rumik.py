@@ -1,0 +1,157 @@
+"""Rumik family: stock loop behaviour, and what each technique changes (teacher-forced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.config import SamplingConfig, StackSpec, TechniqueRef
+from orchestrator.families.rumik import FAMILY, fidelity
+from orchestrator.families.rumik.engine import stock_engine
+from orchestrator.families.rumik.vocab import build_prompt
+from orchestrator.registry import build_stack
+from techniques.rumik.static_kv_cache import CapacityError
+
+EXACT_STACKS = [
+    ["static_kv_cache"],
+    ["static_kv_cache", "packed_projections"],
+    ["audio_head"],
+    ["static_kv_cache", "packed_projections", "audio_head"],
+]
+
+
+def engine_for(model, names, **params):
+    spec = StackSpec(
+        name="t", techniques=[TechniqueRef(name=n, params=params.get(n, {})) for n in names]
+    )
+    return FAMILY.build_engine(model, build_stack(spec))
+
+
+@pytest.fixture(scope="module")
+def sequence(tiny_model):
+    """A prompt and 96 tokens sampled by stock: long enough to cross the tiny sliding window."""
+    prompt = tiny_model.encode_prompt(build_prompt("A short test sentence.", "Ira", "neutral"))
+    gen = torch.Generator().manual_seed(7)
+    eng = stock_engine(tiny_model)
+    with torch.inference_mode():
+        tokens = eng.loop(eng, prompt, 12, SamplingConfig(), gen).tokens
+    assert len(prompt) + len(tokens) > tiny_model.config.sliding_window
+    return prompt, tokens
+
+
+@pytest.fixture(scope="module")
+def stock_logits(tiny_model, sequence):
+    return fidelity.teacher_forced(stock_engine(tiny_model), *sequence)
+
+
+@pytest.mark.parametrize("names", EXACT_STACKS, ids="+".join)
+def test_exact_techniques_match_stock(tiny_model, sequence, stock_logits, names):
+    eng = engine_for(tiny_model, names)
+    assert all(
+        t.exact
+        for t in build_stack(
+            StackSpec(name="t", techniques=[TechniqueRef(name=n) for n in names])
+        ).techniques
+    )
+    other = fidelity.teacher_forced(eng, *sequence)
+    rec = fidelity.compare(stock_logits, other, 0.8, 30, torch.float32)
+    assert rec.within_tolerance, rec
+    assert rec.max_abs_logit_diff < 1e-4
+    assert rec.top1_agreement == 1.0
+
+
+def test_codebook_head_is_flagged_and_measurably_approximate(tiny_model, sequence, stock_logits):
+    spec = StackSpec(name="t", techniques=[TechniqueRef(name="codebook_head")])
+    assert build_stack(spec).exact is False
+    other = fidelity.teacher_forced(engine_for(tiny_model, ["codebook_head"]), *sequence)
+    rec = fidelity.compare(stock_logits, other, 0.8, 30, torch.float32)
+    assert not rec.within_tolerance
+    assert rec.mean_kl > 0.1  # it moves the distribution: only 1/8 of the units remain
+    # ...but on the columns it keeps, the logits are stock's own.
+    keep = torch.isfinite(other)
+    assert torch.allclose(other[keep], stock_logits[keep], atol=1e-5)
+    # every step only offers codebook step % 8 (and end-of-audio)
+    vocab = tiny_model.vocab
+    for step in range(16):
+        cols = torch.nonzero(keep[step]).flatten()[:-1]
+        assert set((cols % vocab.num_quantizers).tolist()) == {step % vocab.num_quantizers}
+
+
+def test_fixed_length_policy_gives_equal_lengths_and_same_tokens(tiny_model):
+    """Exact stacks sample the very same tokens as stock from the same seed."""
+    prompt = tiny_model.encode_prompt(build_prompt("Hello.", "Ira", None))
+    outs = []
+    for names in ([], ["static_kv_cache", "packed_projections", "audio_head"]):
+        eng = engine_for(tiny_model, names)
+        with torch.inference_mode():
+            gen = eng.loop(eng, prompt, 5, SamplingConfig(), torch.Generator().manual_seed(3))
+        assert gen.stop_reason == "length_policy" and len(gen.tokens) == 40
+        assert tiny_model.vocab.end_id not in gen.tokens
+        outs.append(gen.tokens)
+    assert outs[0] == outs[1]
+
+
+def test_model_length_policy_obeys_stop_head(tiny_model, monkeypatch):
+    eng = stock_engine(tiny_model)
+    calls = []
+
+    def fires(hidden):
+        calls.append(1)
+        return torch.ones(1, 1)
+
+    monkeypatch.setattr(eng, "stop_probability", fires)
+    prompt = tiny_model.encode_prompt(build_prompt("Hi.", "Ira", None))
+    with torch.inference_mode():
+        gen = eng.loop(eng, prompt, None, SamplingConfig(), torch.Generator().manual_seed(0))
+    # not consulted before 8 tokens, then it forces end-of-audio at once
+    assert gen.stop_reason == "stop_head" and len(gen.tokens) == 8 and len(calls) == 1
+
+
+def test_token_cap(tiny_model):
+    eng = stock_engine(tiny_model)
+    prompt = tiny_model.encode_prompt(build_prompt("Hi.", "Ira", None))
+    sampling = SamplingConfig(max_new_tokens=16, min_tokens_before_stop=100)
+    with torch.inference_mode():
+        gen = eng.loop(eng, prompt, None, sampling, torch.Generator().manual_seed(0))
+    assert gen.stop_reason == "token_cap" and len(gen.tokens) == 16
+
+
+def test_static_cache_capacity_error_names_the_limit(tiny_model):
+    eng = engine_for(tiny_model, ["static_kv_cache"], static_kv_cache={"max_seq_len": 32})
+    prompt = tiny_model.encode_prompt(build_prompt("Hello there.", "Ira", None))
+    with (
+        pytest.raises(CapacityError, match="static_kv_cache.max_seq_len is 32"),
+        torch.inference_mode(),
+    ):
+        eng.loop(eng, prompt, 10, SamplingConfig(), torch.Generator().manual_seed(0))
+
+
+def test_token_assembly(tiny_model):
+    vocab = tiny_model.vocab
+    first, q = vocab.first_unit_id, vocab.num_quantizers
+    frame = [first + q * code + i for i, code in enumerate([5, 6, 7, 8, 9, 10, 11, 12])]
+    bad = [first + 3]  # codebook 3 where codebook 0 is due: resync drops it
+    codes = vocab.tokens_to_codes(frame + bad + frame + [vocab.end_id] + frame)
+    assert codes.shape == (1, 8, 2)
+    assert codes[0, :, 0].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    pos = vocab.positional_codes(bad + frame[1:])  # 8 tokens, codebooks ignored
+    assert pos.shape == (1, 8, 1) and pos[0, 1:, 0].tolist() == [6, 7, 8, 9, 10, 11, 12]
+
+
+def test_synthesize_times_whole_clip(tiny_model):
+    from orchestrator.config import LengthPolicy, Prompt, Workload
+
+    wl = Workload(
+        name="w",
+        prompts=[Prompt(id="a", text="Hi.")],
+        warmups=0,
+        length_policy=LengthPolicy(mode="fixed", frames=3),
+    )
+    syn = FAMILY.synthesize(stock_engine(tiny_model), "Hi.", 1, wl)
+    assert syn.frames == 3 and syn.new_tokens == 24
+    assert syn.audio.shape == (3 * 1920,) and syn.sample_rate == 24_000
+    assert syn.latency_s >= syn.lm_s + syn.codec_s - 1e-6 and syn.codec_s > 0
+    with pytest.raises(ValueError, match="unknown voice 'Bob'"):
+        FAMILY.synthesize(
+            stock_engine(tiny_model), "Hi.", 1, wl.model_copy(update={"voice": "Bob"})
+        )

@@ -1,0 +1,100 @@
+"""Building a stack fails early and specifically; device requirements skip or refuse."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from orchestrator import registry
+from orchestrator.config import StackSpec, TechniqueRef
+from orchestrator.registry import StackError, build_stack
+from orchestrator.technique import DeviceCaps, Technique
+
+
+def stack(*names: str, **params: dict) -> StackSpec:
+    return StackSpec(
+        name="t", techniques=[TechniqueRef(name=n, params=params.get(n, {})) for n in names]
+    )
+
+
+def test_builtins_discovered_through_entry_points():
+    found = registry.discover()
+    assert {"static_kv_cache", "packed_projections", "audio_head", "codebook_head"} <= set(found)
+    assert found["codebook_head"].exact is False and found["audio_head"].exact is True
+
+
+def test_unknown_technique():
+    with pytest.raises(StackError, match="unknown technique 'warp_drive'; known: .*audio_head"):
+        build_stack(stack("warp_drive"))
+
+
+def test_bad_params():
+    with pytest.raises(StackError, match="static_kv_cache.*max_seq_len"):
+        build_stack(stack("static_kv_cache", static_kv_cache={"max_seq_len": 1}))
+    with pytest.raises(StackError, match="colour.*Extra inputs"):
+        build_stack(stack("packed_projections", packed_projections={"colour": "red"}))
+
+
+def test_slot_conflict():
+    with pytest.raises(StackError, match="'audio_head' and 'codebook_head' both fill the 'head'"):
+        build_stack(stack("audio_head", "codebook_head"))
+
+
+def test_order_and_missing_dependency():
+    with pytest.raises(StackError, match="needs 'static_kv_cache' applied before.*missing"):
+        build_stack(stack("packed_projections"))
+    with pytest.raises(StackError, match="later in the stack"):
+        build_stack(stack("packed_projections", "static_kv_cache"))
+
+
+def test_wrong_family():
+    spec = StackSpec(name="t", family="omnivoice", techniques=[TechniqueRef(name="audio_head")])
+    with pytest.raises(StackError, match="for the 'rumik' family"):
+        build_stack(spec)
+
+
+class _NeedsHopper(Technique):
+    name = "needs_hopper"
+    family = "rumik"
+    exact = True
+    slots: ClassVar = ("sampler",)
+    requires: ClassVar = ("cuda", "sm90")
+
+    def apply(self, engine):
+        engine.sampler = engine.sampler
+
+
+class _AfterHopper(_NeedsHopper):
+    name = "after_hopper"
+    slots: ClassVar = ("loop",)
+    requires: ClassVar = ()
+    after: ClassVar = ("needs_hopper",)
+
+
+@pytest.fixture
+def fake_plugins(monkeypatch):
+    known = dict(registry.discover())
+    known.update(needs_hopper=_NeedsHopper, after_hopper=_AfterHopper)
+    monkeypatch.setattr(registry, "discover", lambda: known)
+
+
+def test_cpu_skips_gpu_technique_and_its_dependents(fake_plugins):
+    built = build_stack(stack("audio_head", "needs_hopper", "after_hopper"), DeviceCaps("cpu"))
+    assert [t.name for t in built.techniques] == ["audio_head"]
+    assert built.partial
+    assert "CUDA" in built.skipped["needs_hopper"]
+    assert "needs_hopper, which was skipped" in built.skipped["after_hopper"]
+
+
+def test_strict_refuses(fake_plugins):
+    with pytest.raises(StackError, match="needs_hopper' cannot run here: needs a CUDA device"):
+        build_stack(stack("needs_hopper"), DeviceCaps("cpu"), strict=True)
+
+
+def test_older_gpu_lacks_sm90():
+    caps = DeviceCaps("cuda", (8, 0), "NVIDIA A100")
+    assert "sm_80" in caps.missing("sm90")
+    assert caps.missing("cuda") is None
+    assert DeviceCaps("cuda", (9, 0), "NVIDIA H200").missing("sm90") is None
+    assert "nonexistent_pkg_xyz" in DeviceCaps("cpu").missing("package:nonexistent_pkg_xyz")
