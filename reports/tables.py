@@ -35,6 +35,8 @@ def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
             else:
                 cells.append(fmt.format(m[key]) if key in m else "-")
         valid = f"{int(m.get('valid_recordings', 0))}/{int(m.get('utterances', 0))}" if m else "-"
-        status = s["status"] + (f" (skipped: {', '.join(s['skipped'])})" if s.get("skipped") else "")
+        status = s["status"] + (
+            f" (skipped: {', '.join(s['skipped'])})" if s.get("skipped") else ""
+        )
         table.add_row(s["name"], status, *cells, valid, "yes" if s.get("exact", True) else "APPROX")
     return table

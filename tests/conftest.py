@@ -172,3 +172,15 @@ def tiny_model():
     from orchestrator.families.rumik.model import build_model
 
     return build_model(ModelSpec(preset="tiny"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run on the device machine; where CUDA is absent they skip with a reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -25,7 +25,9 @@ class CodebookHead(Technique):
     def apply(self, engine: Engine) -> None:
         model = engine.model
         vocab = model.vocab
-        ids = torch.stack([vocab.codebook_ids(q, model.device) for q in range(vocab.num_quantizers)])
+        ids = torch.stack(
+            [vocab.codebook_ids(q, model.device) for q in range(vocab.num_quantizers)]
+        )
         weight = model.lm.lm_head.weight[ids.flatten()].view(*ids.shape, -1).contiguous()
         scale = model.lm.logit_scale
         end = vocab.codebook_size

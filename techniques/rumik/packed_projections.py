@@ -38,13 +38,20 @@ class Packed:
                 self.w_down.append(m.down_proj.weight)
         first = engine.model.lm.model.layers[0]
         a, m = first.self_attn, first.mlp
-        self.sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features,
-                      m.gate_proj.out_features, m.up_proj.out_features]
+        self.sizes = [
+            a.q_proj.out_features,
+            a.k_proj.out_features,
+            a.v_proj.out_features,
+            m.gate_proj.out_features,
+            m.up_proj.out_features,
+        ]
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
 
-    def residual(self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    def residual(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
+    ) -> torch.Tensor:
         if self.fuse_output:
             return x + F.linear(torch.cat([attn, act], dim=-1), self.w_out[i])
         return x + F.linear(attn, self.w_o[i]) + F.linear(act, self.w_down[i])

@@ -102,9 +102,12 @@ class StaticDecoder:
             self.k[i].index_copy_(2, positions, k)
             self.v[i].index_copy_(2, positions, v)
             attn = F.scaled_dot_product_attention(
-                q, self.k[i], self.v[i],
+                q,
+                self.k[i],
+                self.v[i],
                 attn_mask=windowed if self.sliding[i] else causal,
-                scale=self.d**-0.5, enable_gqa=True,
+                scale=self.d**-0.5,
+                enable_gqa=True,
             )
             attn = attn.transpose(1, 2).reshape(1, t, self.hq * self.d)
             x = self.proj.residual(i, x, attn, F.silu(gate) * up)
@@ -137,7 +140,9 @@ class StaticKVCache(Technique):
                     f"{p.max_seq_len}"
                 )
             if not decoder:
-                decoder.append(StaticDecoder(eng, p.max_seq_len, p.compile_mode if p.compile else None))
+                decoder.append(
+                    StaticDecoder(eng, p.max_seq_len, p.compile_mode if p.compile else None)
+                )
             decoder[0].reset()
             return decoder[0]
 

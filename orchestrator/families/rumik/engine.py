@@ -13,18 +13,26 @@ and every technique is a diff against it. A technique replaces only the slots it
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import Cohere2ForCausalLM, DynamicCache
 
 from orchestrator.config import SamplingConfig
 from orchestrator.families.rumik.model import RumikModel
 
 SLOTS = ("decoder", "projections", "head", "sampler", "loop")
+
+# transformers renamed the forward's cache argument (past_key_values -> cache) during 5.x.
+_CACHE_ARG = (
+    "cache"
+    if "cache" in inspect.signature(Cohere2ForCausalLM.forward).parameters
+    else "past_key_values"
+)
 
 
 # ------------------------------------------------------------------- slot contracts
@@ -127,13 +135,15 @@ class StockDecoder:
         # Upstream calls the full LM here, projecting every prompt position through the
         # 277k head; we pay that too so stock is not made faster than upstream.
         out = self.lm(
-            input_ids=prompt_ids, cache=self.cache, use_cache=True, output_hidden_states=True
+            input_ids=prompt_ids, use_cache=True, output_hidden_states=True,
+            **{_CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         out = self.lm.model(
-            input_ids=token, cache=self.cache, use_cache=True, output_hidden_states=True
+            input_ids=token, use_cache=True, output_hidden_states=True,
+            **{_CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 
