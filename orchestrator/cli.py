@@ -78,6 +78,9 @@ def run(
     strict: Annotated[
         bool, typer.Option(help="Refuse techniques this device lacks instead of skipping them.")
     ] = False,
+    prefixes: Annotated[
+        bool, typer.Option(help="Also run every cumulative prefix of each --stack.")
+    ] = False,
     force: Annotated[
         bool, typer.Option(help="Re-run even if this exact experiment already finished.")
     ] = False,
@@ -92,14 +95,20 @@ def run(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure stacks against a baseline, interleaved, in one worker; store and report."""
-    from orchestrator.plan import plan_job
+    from orchestrator.plan import plan_job, prefix_stack
     from orchestrator.runner import Interrupted, execute
 
     try:
         if device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, not {device!r}")
         spec = load_model_spec(model, device=device, dtype=dtype)
-        stacks = [load_stack(baseline)] + [load_stack(s) for s in stack if s != baseline]
+        stacks = [load_stack(baseline)]
+        for name in stack:
+            candidate = load_stack(name)
+            if prefixes:
+                stacks += [prefix_stack(candidate, n) for n in range(1, len(candidate.techniques))]
+            if candidate.name != stacks[0].name:
+                stacks.append(candidate)
         job = plan_job(
             spec,
             load_workload(workload),

@@ -54,6 +54,17 @@ def plan_job(
     return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
 
 
+def prefix_stack(spec: StackSpec, n: int) -> StackSpec:
+    """The first `n` techniques of `spec`, as a stack of its own (`NAME-pN`)."""
+    return spec.model_copy(
+        update={
+            "name": f"{spec.name}-p{n}",
+            "description": f"first {n} techniques of {spec.name}",
+            "techniques": spec.techniques[:n],
+        }
+    )
+
+
 def identity(job: JobSpec) -> str:
     """What makes two runs the same experiment: model, workload, stacks with technique
     versions, protocol and code. A repeated identity is not re-run unless forced."""

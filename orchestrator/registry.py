@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from pydantic import ValidationError
 
 from orchestrator.config import StackSpec
-from orchestrator.technique import DeviceCaps, Technique
+from orchestrator.technique import DeviceCaps, Technique, TechniqueParams
 
 GROUP = "orchestrate.techniques"
 
@@ -79,6 +79,7 @@ def build_stack(
     skipped: dict[str, str] = {}
     claimed: dict[str, str] = {}  # slot -> technique
     seen: list[str] = []
+    accepted: dict[str, TechniqueParams] = {}
     for ref in spec.techniques:
         cls = get(ref.name)
         if cls.family != spec.family:
@@ -107,6 +108,9 @@ def build_stack(
                     f"technique {ref.name!r} needs {before!r} applied before it "
                     f"({before!r} is {where} the stack)"
                 )
+        if why_not := cls.check_stack(params, dict(accepted)):
+            raise StackError(f"technique {ref.name!r}: {why_not}")
+        accepted[ref.name] = params
         seen.append(ref.name)
 
         why = _unmet(cls, caps) or _needs_skipped(cls, skipped)

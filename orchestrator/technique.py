@@ -55,6 +55,16 @@ class Technique(abc.ABC):
     def __init__(self, params: TechniqueParams):
         self.params = params
 
+    @classmethod
+    def check_stack(
+        cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]
+    ) -> str | None:
+        """Why this technique cannot follow `earlier` (name -> params) with these params.
+
+        For conflicts that depend on parameters, e.g. two ways of capturing one graph.
+        """
+        return None
+
     @abc.abstractmethod
     def apply(self, engine: Any) -> None:
         """Replace (or wrap) the declared slots of `engine`, and nothing else."""

@@ -71,7 +71,7 @@ def test_run_records_in_sqlite_and_mlflow(env, tmp_path):
     assert run["status"] == "FINISHED"
     names = [s["name"] for s in run["stacks"]]
     assert names == ["stock", "cpu-fast", "codebook"]
-    stock, fast, approx = run["stacks"]
+    _stock, fast, approx = run["stacks"]
     assert fast["metrics"]["speedup_vs_baseline"] > 0
     assert fast["metrics"]["utterances"] == 2 and fast["metrics"]["valid_recordings"] == 2
     assert fast["exact"] and fast["fidelity"]["within_tolerance"]
@@ -348,3 +348,52 @@ def test_third_party_plugin_installed_with_pip(env, tmp_path):
             capture_output=True,
             timeout=300,
         )
+
+
+def test_gpu_members_skipped_on_cpu_and_refused_with_strict(env, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA: nothing would be skipped")
+    out = cli(
+        [
+            "run",
+            "--stack",
+            "exp74",
+            "--workload",
+            str(tmp_path / "wl.yaml"),
+            "--json",
+            "--no-mlflow",
+            "--fidelity-steps",
+            "0",
+        ],
+        env,
+        tmp_path,
+    )
+    run = json.loads(out.stdout)
+    assert run["status"] == "PARTIAL"
+    exp74 = run["stacks"][1]
+    assert exp74["status"] == "partial"
+    assert exp74["applied"] == ["static_kv_cache@1", "codebook_head@1"]
+    assert set(exp74["skipped"]) == {
+        "int8_projections",
+        "decode_attention",
+        "device_sampler",
+        "graph_loop",
+    }
+    assert "CUDA" in exp74["skipped"]["int8_projections"]
+    assert "CUDA" in exp74["skipped"]["graph_loop"]
+    strict = cli(
+        [
+            "run",
+            "--stack",
+            "exp74",
+            "--workload",
+            str(tmp_path / "wl.yaml"),
+            "--strict",
+            "--no-mlflow",
+        ],
+        env,
+        tmp_path,
+        check=False,
+    )
+    assert strict.returncode == 2
+    assert "'int8_projections' cannot run here: needs a CUDA device" in strict.stderr

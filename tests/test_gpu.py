@@ -56,3 +56,100 @@ def test_exact_on_gpu(case, name):
         rec = fidelity.compare(ref, other, 0.8, 30, model.dtype)
         assert rec.within_tolerance, (name, model.dtype, rec)
         assert rec.top1_agreement >= 0.95, rec
+
+
+# ----------------------------------------------- the Triton / graph techniques (head_dim 128)
+
+EXACT_128 = {
+    "cuda_graph": [("static_kv_cache", {}), ("packed_projections", {}), ("cuda_graph", {})],
+    "decode_attention": [("static_kv_cache", {}), ("decode_attention", {})],
+    "exact-graph": [
+        ("static_kv_cache", {}),
+        ("packed_projections", {}),
+        ("decode_attention", {}),
+        ("audio_head", {}),
+        ("cuda_graph", {}),
+    ],
+    "pdl": [("static_kv_cache", {}), ("decode_attention", {"pdl": True}), ("cuda_graph", {})],
+}
+
+
+@pytest.fixture(scope="module")
+def case128():
+    model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="bfloat16"))
+    prompt = model.encode_prompt(
+        build_prompt("A longer sentence, so the cache fills.", "Ira", None)
+    )
+    eng = stock_engine(model)
+    with torch.inference_mode():
+        tokens = eng.loop(
+            eng, prompt, 12, SamplingConfig(), torch.Generator(device="cuda").manual_seed(5)
+        ).tokens
+    assert len(prompt) + len(tokens) > model.config.sliding_window  # crosses the window
+    return model, prompt, tokens, fidelity.teacher_forced(eng, prompt, tokens)
+
+
+@pytest.mark.parametrize("name", list(EXACT_128))
+def test_exact_triton_and_graph_techniques(case128, name):
+    model, prompt, tokens, ref = case128
+    eng = build(model, EXACT_128[name])
+    for _ in range(2):
+        rec = fidelity.compare(
+            ref, fidelity.teacher_forced(eng, prompt, tokens), 0.8, 30, model.dtype
+        )
+        assert rec.within_tolerance, (name, rec)
+
+
+def test_int8_is_close_but_not_exact(case128):
+    model, prompt, tokens, ref = case128
+    eng = build(model, [("static_kv_cache", {}), ("int8_projections", {})])
+    rec = fidelity.compare(ref, fidelity.teacher_forced(eng, prompt, tokens), 0.8, 30, model.dtype)
+    assert rec.max_abs_logit_diff > 0  # it does change something
+    assert rec.top1_agreement >= 0.8 and rec.mean_kl < 0.05, rec
+
+
+def _generate(eng, prompt, frames, seed):
+    with torch.inference_mode():
+        return eng.loop(
+            eng, prompt, frames, SamplingConfig(), torch.Generator(device="cuda").manual_seed(seed)
+        )
+
+
+def test_graph_loop_generates_valid_reproducible_tokens(case128):
+    model, prompt, _, _ = case128
+    exp74 = [
+        ("static_kv_cache", {}),
+        ("int8_projections", {}),
+        ("decode_attention", {}),
+        ("codebook_head", {}),
+        ("device_sampler", {}),
+        ("graph_loop", {}),
+    ]
+    eng = build(model, exp74)
+    a = _generate(eng, prompt, 10, seed=42)
+    b = _generate(eng, prompt, 10, seed=42)
+    c = _generate(eng, prompt, 10, seed=43)
+    assert a.stop_reason == "length_policy" and len(a.tokens) == 80
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    vocab = model.vocab
+    for i, tok in enumerate(a.tokens):  # the codebook head enforces q = step % 8
+        assert vocab.first_unit_id <= tok <= vocab.last_unit_id
+        assert (tok - vocab.first_unit_id) % 8 == i % 8
+    # the model decides the length: a stop head that always fires ends at the 8th token
+    model.stop_head[3].bias.data.fill_(1e4)
+    try:
+        eng2 = build(model, exp74)
+        d = _generate(eng2, prompt, None, seed=1)
+        assert d.stop_reason == "stop_head" and len(d.tokens) == 8
+    finally:
+        model.stop_head[3].bias.data.zero_()
+
+
+def test_device_sampler_stays_in_allowed_columns(case128):
+    model, prompt, _, _ = case128
+    eng = build(model, [("audio_head", {}), ("device_sampler", {})])
+    gen = _generate(eng, prompt, 4, seed=9)
+    vocab = model.vocab
+    assert len(gen.tokens) == 32
+    assert all(vocab.first_unit_id <= t <= vocab.last_unit_id for t in gen.tokens)
+    assert gen.tokens == _generate(eng, prompt, 4, seed=9).tokens

@@ -33,8 +33,12 @@ class CodebookHead(Technique):
         end = vocab.codebook_size
         units = slice(0, end)
 
-        def head(hidden, step: int) -> HeadLogits:
+        def head(hidden, step: int | torch.Tensor) -> HeadLogits:
             q = step % vocab.num_quantizers  # the frame position decides the codebook
-            return HeadLogits((F.linear(hidden, weight[q]) * scale).float(), ids[q], end, units)
+            if isinstance(q, torch.Tensor):  # a device step counter: choose on the device
+                w, cols = weight.index_select(0, q)[0], ids.index_select(0, q)[0]
+            else:
+                w, cols = weight[q], ids[q]
+            return HeadLogits((F.linear(hidden, w) * scale).float(), cols, end, units)
 
         engine.head = head

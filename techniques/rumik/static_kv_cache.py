@@ -36,6 +36,7 @@ class StaticDecoder:
         lm = engine.model.lm
         cfg = lm.config
         self.proj = engine.projections
+        self.attend = engine.attention
         self.embed = lm.model.embed_tokens.weight
         self.norms = [layer.input_layernorm.weight for layer in lm.model.layers]
         self.final_norm = lm.model.norm.weight
@@ -54,7 +55,6 @@ class StaticDecoder:
         angles = torch.outer(torch.arange(max_seq_len, device=dev).float(), inv_freq)
         angles = torch.repeat_interleave(angles, 2, dim=-1)
         self.cos, self.sin = angles.cos().to(dt), angles.sin().to(dt)
-        self.kv_pos = torch.arange(max_seq_len, device=dev)
         self.pos = 0
         self._step = self._forward
         if compile_mode:
@@ -88,9 +88,6 @@ class StaticDecoder:
         t = ids.shape[1]
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        ahead = positions[:, None] - self.kv_pos[None, :]  # query pos - key pos
-        causal = (ahead >= 0)[None, None]
-        windowed = ((ahead >= 0) & (ahead < self.window))[None, None]
         for i, norm_w in enumerate(self.norms):
             xn = layer_norm(x, norm_w, self.eps)
             q, k, v, gate, up = self.proj.qkvgu(i, xn)
@@ -101,14 +98,8 @@ class StaticDecoder:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k[i].index_copy_(2, positions, k)
             self.v[i].index_copy_(2, positions, v)
-            attn = F.scaled_dot_product_attention(
-                q,
-                self.k[i],
-                self.v[i],
-                attn_mask=windowed if self.sliding[i] else causal,
-                scale=self.d**-0.5,
-                enable_gqa=True,
-            )
+            window = self.window if self.sliding[i] else None
+            attn = self.attend(q, self.k[i], self.v[i], positions, window)
             attn = attn.transpose(1, 2).reshape(1, t, self.hq * self.d)
             x = self.proj.residual(i, x, attn, F.silu(gate) * up)
         return layer_norm(x, self.final_norm, self.eps)

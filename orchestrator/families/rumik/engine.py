@@ -3,6 +3,7 @@
 Slots, in the order data flows through one decode step:
   decoder      prompt/token ids -> last normed hidden state (owns the KV cache)
   projections  how a decoder that asks for them computes q,k,v,gate,up and o+down
+  attention    how such a decoder attends over its KV cache
   head         hidden -> logits over the columns speech may sample (+ column -> token id)
   sampler      logits -> one token id
   loop         the whole token loop (host loop, or one that runs on the device)
@@ -25,7 +26,7 @@ from transformers import Cohere2ForCausalLM, DynamicCache
 from orchestrator.config import SamplingConfig
 from orchestrator.families.rumik.model import RumikModel
 
-SLOTS = ("decoder", "projections", "head", "sampler", "loop")
+SLOTS = ("decoder", "projections", "attention", "head", "sampler", "loop")
 
 # transformers renamed the forward's cache argument (past_key_values -> cache) during 5.x.
 _CACHE_ARG = (
@@ -39,7 +40,7 @@ _CACHE_ARG = (
 
 
 class Decoder(Protocol):
-    uses_projections: bool
+    uses_projections: bool  # reads the projections and attention slots
 
     def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         """[1, P] ids -> [1, H] normed hidden state of the last position."""
@@ -98,7 +99,8 @@ class Loop(Protocol):
 class Engine:
     model: RumikModel
     decoder_factory: Callable[[Engine, int], Decoder]  # (engine, max_seq_len) -> Decoder
-    projections: Any | None
+    projections: Any
+    attention: Callable[..., torch.Tensor]
     head: Head
     sampler: Sampler
     loop: Loop
@@ -107,12 +109,13 @@ class Engine:
 
     def new_decoder(self, max_seq_len: int) -> Decoder:
         decoder = self.decoder_factory(self, max_seq_len)
-        if "projections" in self.filled and not decoder.uses_projections:
-            # A filled slot nobody reads would be a silent no-op: refuse it.
-            raise RuntimeError(
-                f"technique {self.filled['projections']!r} fills 'projections', but the "
-                "decoder in use does not read that slot"
-            )
+        for slot in ("projections", "attention"):
+            if slot in self.filled and not decoder.uses_projections:
+                # A filled slot nobody reads would be a silent no-op: refuse it.
+                raise RuntimeError(
+                    f"technique {self.filled[slot]!r} fills {slot!r}, but the decoder in use "
+                    "does not read that slot"
+                )
         return decoder
 
     def stop_probability(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,14 +138,18 @@ class StockDecoder:
         # Upstream calls the full LM here, projecting every prompt position through the
         # 277k head; we pay that too so stock is not made faster than upstream.
         out = self.lm(
-            input_ids=prompt_ids, use_cache=True, output_hidden_states=True,
+            input_ids=prompt_ids,
+            use_cache=True,
+            output_hidden_states=True,
             **{_CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         out = self.lm.model(
-            input_ids=token, use_cache=True, output_hidden_states=True,
+            input_ids=token,
+            use_cache=True,
+            output_hidden_states=True,
             **{_CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
@@ -254,11 +261,39 @@ class SeparateProjections:
         return x + a.o_proj(attn) + m.down_proj(act)  # transformers' order of the two adds
 
 
+def masked_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attend over the whole fixed-size cache, masking positions not yet (or no longer) seen.
+
+    q [1, Hq, T, D] at `positions` [T]; caches [1, Hkv, S, D]. Reads all S positions every
+    step: the cost a length-aware kernel removes.
+    """
+    kv = torch.arange(k_cache.shape[2], device=q.device)
+    ahead = positions[:, None] - kv[None, :]  # query position - key position
+    visible = ahead >= 0
+    if window is not None:
+        visible = visible & (ahead < window)
+    return F.scaled_dot_product_attention(
+        q,
+        k_cache,
+        v_cache,
+        attn_mask=visible[None, None],
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=True,
+    )
+
+
 def stock_engine(model: RumikModel) -> Engine:
     return Engine(
         model=model,
         decoder_factory=stock_decoder,
         projections=SeparateProjections(model),
+        attention=masked_sdpa,
         head=full_vocab_head(model),
         sampler=stock_sampler,
         loop=host_loop,

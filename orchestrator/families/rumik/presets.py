@@ -106,4 +106,20 @@ TINY = RumikPreset(
     stop_hidden=32,
 )
 
-PRESETS: dict[str, RumikPreset] = {p.name: p for p in (RUMIK_OSS_1, TINY)}
+# tiny's shape with the real head_dim (128): what the Triton kernels need, for GPU tests.
+SMALL_128 = RumikPreset(
+    name="small-128",
+    lm={
+        **TINY.lm,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
+    mimi=TINY.mimi,
+    vocab=TINY.vocab,
+    stop_hidden=256,
+)
+
+PRESETS: dict[str, RumikPreset] = {p.name: p for p in (RUMIK_OSS_1, TINY, SMALL_128)}

@@ -1,0 +1,153 @@
+"""The decode loop as one captured CUDA graph per token, with no host round trip per token.
+
+Each replay runs the decoder step, the head, the stop head and the device sampler, writes
+the token and stop probability into device buffers and advances position and step counters
+on the device. Under a length policy the host replays the known number of steps and reads
+the tokens once at the end; when the model decides the length, the host reads the buffers
+once per `check_every` tokens (one 80 ms frame by default) and discards what was generated
+past the end. Tokens still depend on previous tokens; only the checking moves off the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from orchestrator.config import SamplingConfig
+from orchestrator.families.rumik.engine import Engine, Generation
+from orchestrator.technique import Technique, TechniqueParams
+from techniques.rumik.cuda_graph import GraphedDecoder
+from techniques.rumik.static_kv_cache import StaticDecoder
+
+
+class GraphLoopParams(TechniqueParams):
+    check_every: int = Field(
+        8, ge=1, le=256, description="Tokens between host checks (model length)."
+    )
+
+
+class _Captured:
+    """Buffers and the graph for one engine; captured on first use."""
+
+    def __init__(self, engine: Engine, decoder: StaticDecoder, cap: int):
+        dev = engine.model.device
+        self.graphed = GraphedDecoder(decoder)
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.stops = torch.zeros(cap, dtype=torch.float32, device=dev)
+        self.cap = cap
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+
+    def body(
+        self, engine: Engine, allow_end: bool, sampling: SamplingConfig, generator: torch.Generator
+    ) -> None:
+        hidden = self.graphed.body()  # reads token + position, advances position
+        head = engine.head(hidden, self.step)
+        stop = engine.stop_probability(hidden).view(1)
+        token = engine.sampler(
+            head, allow_end=allow_end, force_end=False, sampling=sampling, generator=generator
+        ).view(1)
+        if allow_end:  # the stop head forces end-of-audio, decided on the device
+            token = torch.where(stop > 0.5, engine.model.vocab.end_id, token)
+        self.tokens.index_copy_(0, self.step, token)
+        self.stops.index_copy_(0, self.step, stop)
+        self.graphed.token.copy_(token.view(1, 1))
+        self.step.add_(1)
+
+    def graph(
+        self, engine: Engine, allow_end: bool, sampling: SamplingConfig, generator: torch.Generator
+    ) -> torch.cuda.CUDAGraph:
+        if allow_end not in self.graphs:
+            saved = [
+                t.clone()
+                for t in (self.graphed.pos, self.step, self.graphed.token, engine.sampler.counter)
+            ]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.body(engine, allow_end, sampling, generator)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.body(engine, allow_end, sampling, generator)
+            for t, s in zip(
+                (self.graphed.pos, self.step, self.graphed.token, engine.sampler.counter),
+                saved,
+                strict=True,
+            ):
+                t.copy_(s)  # undo the warm-up's advance
+            self.graphs[allow_end] = graph
+        return self.graphs[allow_end]
+
+
+def graph_loop(
+    engine: Engine,
+    prompt_ids: list[int],
+    frames: int | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> Generation:
+    model, vocab = engine.model, engine.model.vocab
+    params: GraphLoopParams = engine.notes["graph_loop"]
+    cap = (
+        sampling.max_new_tokens
+        if frames is None
+        else min(sampling.max_new_tokens, frames * vocab.num_quantizers)
+    )
+    decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
+    if not isinstance(decoder, StaticDecoder):
+        raise TypeError("graph_loop needs static_kv_cache's decoder (without cuda_graph)")
+    state: _Captured = engine.notes.get("graph_loop_state")
+    if state is None or state.graphed.inner is not decoder or state.cap < cap:
+        state = engine.notes["graph_loop_state"] = _Captured(engine, decoder, max(cap, 2048))
+    engine.sampler.reset(generator.initial_seed())
+
+    hidden = state.graphed.prefill(torch.tensor([prompt_ids], device=model.device))
+    # Step 0 runs eagerly (it follows the prefill, not a previous step).
+    first = engine.sampler(
+        engine.head(hidden, 0),
+        allow_end=False,
+        force_end=False,
+        sampling=sampling,
+        generator=generator,
+    ).view(1)
+    state.tokens[0:1].copy_(first)
+    state.graphed.token.copy_(first.view(1, 1))
+    state.step.fill_(1)
+    min_tokens = sampling.min_tokens_before_stop
+    if frames is not None:
+        graph = state.graph(engine, False, sampling, generator)
+        for _ in range(cap - 1):
+            graph.replay()
+        tokens = state.tokens[:cap].tolist()  # the one host sync of the utterance
+        return Generation(tokens, "length_policy")
+
+    done, tokens = 1, [int(first.item())]
+    while done < cap:
+        n = min(params.check_every, cap - done)
+        for k in range(n):
+            allow_end = done + k >= min_tokens
+            state.graph(engine, allow_end, sampling, generator).replay()
+        tokens += state.tokens[done : done + n].tolist()  # one host sync per chunk
+        done += n
+        if vocab.end_id in tokens:
+            end = tokens.index(vocab.end_id)
+            stopped = state.stops[end].item() > 0.5
+            return Generation(tokens[:end], "stop_head" if stopped else "end_token")
+    return Generation(tokens, "token_cap")
+
+
+class GraphLoop(Technique):
+    name = "graph_loop"
+    family = "rumik"
+    exact = True
+    slots = ("loop",)
+    requires = ("cuda",)
+    after = ("static_kv_cache", "device_sampler")
+    conflicts = ("cuda_graph",)
+    summary = "Whole decode step (+head, stop head, sampler) in one graph; no per-token sync."
+    Params = GraphLoopParams
+
+    def apply(self, engine: Engine) -> None:
+        engine.notes["graph_loop"] = self.params
+        engine.loop = graph_loop

@@ -1,0 +1,87 @@
+"""INT8 weight-only decode projections (APPROXIMATE), packed as in packed_projections.
+
+Batch-1 decode is bound by reading weights; int8 halves those bytes. Weights are quantised
+once per output channel (symmetric, scale = absmax / 127) and a Triton GEMV dequantises in
+registers (torch._weight_int8pack_mm is ~25x slower than cuBLAS bf16 at M=1 on an H200).
+Prefill (more than 4 rows) multiplies by the dequantised weights, so it sees the same
+rounded weights. Rounding changes the logits: fidelity and quality gates decide.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from orchestrator.families.rumik.engine import Engine
+from orchestrator.technique import Technique, TechniqueParams
+
+MAX_GEMV_ROWS = 4
+
+
+class Int8Params(TechniqueParams):
+    pdl: bool = Field(False, description="Programmatic dependent launch (Hopper).")
+
+
+class Int8Packed:
+    def __init__(self, engine: Engine, pdl: bool):
+        from techniques.rumik.kernels.int8_gemv import quantize_int8
+
+        self.pdl = pdl
+        self.w_in: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.w_out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in engine.model.lm.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            w_in = torch.cat(
+                [
+                    a.q_proj.weight,
+                    a.k_proj.weight,
+                    a.v_proj.weight,
+                    m.gate_proj.weight,
+                    m.up_proj.weight,
+                ]
+            )
+            self.w_in.append(quantize_int8(w_in))
+            self.w_out.append(quantize_int8(torch.cat([a.o_proj.weight, m.down_proj.weight], 1)))
+            del w_in
+        first = engine.model.lm.model.layers[0]
+        a, m = first.self_attn, first.mlp
+        self.sizes = [
+            a.q_proj.out_features,
+            a.k_proj.out_features,
+            a.v_proj.out_features,
+            m.gate_proj.out_features,
+            m.up_proj.out_features,
+        ]
+
+    def _linear(self, x: torch.Tensor, qs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        from techniques.rumik.kernels.int8_gemv import dequantize_int8, int8_linear
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MAX_GEMV_ROWS:
+            y = int8_linear(rows, *qs, launch_pdl=self.pdl)
+        else:
+            y = F.linear(rows, dequantize_int8(*qs).to(x.dtype))
+        return y.view(*x.shape[:-1], -1)
+
+    def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
+
+    def residual(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
+    ) -> torch.Tensor:
+        return x + self._linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+
+
+class Int8Projections(Technique):
+    name = "int8_projections"
+    family = "rumik"
+    exact = False
+    slots = ("projections",)
+    requires = ("cuda", "package:triton")
+    after = ("static_kv_cache",)
+    summary = "APPROXIMATE: int8 weight-only packed projections with a Triton GEMV."
+    Params = Int8Params
+
+    def apply(self, engine: Engine) -> None:
+        engine.projections = Int8Packed(engine, self.params.pdl)  # type: ignore[attr-defined]
