@@ -364,5 +364,9 @@ def schema(
     _print_json({n: SCHEMAS[n].model_json_schema() for n in names})
 
 
+from orchestrator import protocol_cli  # noqa: E402
+
+protocol_cli.register(app)
+
 if __name__ == "__main__":
     app()

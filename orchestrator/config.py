@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator.protocol import NoiseRule, Provenance, QualitySpec, SpeedRule
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 EXPERIMENTS_DIR = REPO_ROOT / "experiments"
@@ -152,6 +154,12 @@ class Protocol(Strict):
     speed_metric: Literal["rtf", "median_latency_s"] = "rtf"
     speed_aggregation: Literal["total_time_over_total_audio"] = "total_time_over_total_audio"
     timer_scope: str = "prompt construction -> completed CPU waveform (codec decode included)"
+    # Scorers, quality metrics, gates, the speed rule and how noise becomes gates: see
+    # orchestrator/protocol.py. Defaults keep older protocol files loading.
+    quality: QualitySpec = Field(default_factory=QualitySpec)
+    speed: SpeedRule = Field(default_factory=SpeedRule)
+    noise: NoiseRule = Field(default_factory=NoiseRule)
+    provenance: Provenance | None = None
 
 
 # ------------------------------------------------------------------------- loading

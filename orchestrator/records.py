@@ -127,6 +127,12 @@ class FidelityRecord(Record):
     topk_agreement: float = Field(description="Mean Jaccard overlap of the top-k candidate sets.")
     within_tolerance: bool
     tolerance: float
+    noise_floor_max_abs: float | None = Field(
+        None, description="Half precision: stock's own max |logit diff| from an fp32 upcast."
+    )
+    noise_floor_kl: float | None = Field(
+        None, description="Half precision: stock's own mean KL from an fp32 upcast."
+    )
 
 
 class StackResult(Record):

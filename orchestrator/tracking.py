@@ -292,3 +292,32 @@ def _artifacts(mlf: MlflowClient, run_id: str, path: str | None) -> Iterator[str
             yield from _artifacts(mlf, run_id, info.path)
         else:
             yield info.path
+
+
+# --------------------------------------------------------------------------- champions
+
+
+def mark_champion(name: str, stack_run_id: str, tags: dict[str, str]) -> str:
+    """Register `stack_run_id` (a stack's MLflow run) as a new version of registered model
+    `name` and move the `champion` alias to it; tag the run. Returns models:/name@champion.
+
+    The registry holds no model files here: a version points at the run whose params name
+    the stack, which is what a deployment needs to rebuild it.
+    """
+    mlf = client()
+    with suppress(MlflowException):  # exists already: one registered model per key
+        mlf.create_registered_model(
+            name, description="Accepted stacks (orchestrate gate); alias `champion` = current."
+        )
+    version = mlf.create_model_version(
+        name, source=f"runs:/{stack_run_id}", run_id=stack_run_id, tags=tags
+    )
+    mlf.set_registered_model_alias(name, "champion", version.version)
+    mlf.set_tag(stack_run_id, "champion", "true")
+    return f"models:/{name}@champion"
+
+
+def champion_version(name: str) -> dict[str, Any]:
+    """The version the `champion` alias points at (run id, tags), for checks and reports."""
+    mv = client().get_model_version_by_alias(name, "champion")
+    return {"version": mv.version, "run_id": mv.run_id, "tags": dict(mv.tags)}

@@ -47,9 +47,8 @@ class DeviceSampler:
 
         if sampling.top_p < 1.0:
             raise ValueError("device_sampler supports top_p = 1.0 only")
-        seed = generator.initial_seed()
-        if seed != self.seed:
-            self.reset(seed)
+        if self.seed is None:  # loops call reset() at each utterance's start
+            self.reset(generator.initial_seed())
         ids = head.column_ids
         if force_end:
             end = torch.full((1,), head.end_column, dtype=torch.long, device=self.counter.device)

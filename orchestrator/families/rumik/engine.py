@@ -222,6 +222,8 @@ def host_loop(
         else min(sampling.max_new_tokens, frames * model.vocab.num_quantizers)
     )
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
+    if reset := getattr(engine.sampler, "reset", None):  # samplers with device RNG state
+        reset(generator.initial_seed())
     hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
     tokens: list[int] = []
     token = None

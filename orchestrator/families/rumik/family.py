@@ -87,19 +87,33 @@ class RumikFamily:
         text = workload.prompts[0].text
         prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
         generator = torch.Generator(device=model.device).manual_seed(workload.seeds[0])
-        with torch.inference_mode():
-            tokens = stock.loop(
-                stock, prompt_ids, -(-steps // 8), workload.sampling, generator
-            ).tokens
-        ref = fidelity.teacher_forced(stock, prompt_ids, tokens[:steps])
         s = workload.sampling
-        return {
-            name: fidelity.compare(
-                ref,
-                fidelity.teacher_forced(eng, prompt_ids, tokens[:steps]),
-                s.temperature,
-                s.top_k,
-                model.dtype,
-            )
-            for name, eng in engines.items()
-        }
+        with torch.inference_mode():
+            tokens = stock.loop(stock, prompt_ids, -(-steps // 8), s, generator).tokens[:steps]
+        ref = fidelity.teacher_forced(stock, prompt_ids, tokens)
+        ref32 = floor = None
+        if model.dtype != torch.float32:
+            ref32 = fidelity.teacher_forced(stock_engine(upcast(model)), prompt_ids, tokens)
+            floor = fidelity.compare(ref32, ref, s.temperature, s.top_k, torch.float32)
+            torch.cuda.empty_cache() if model.device.type == "cuda" else None
+        out = {}
+        for name, eng in engines.items():
+            other = fidelity.teacher_forced(eng, prompt_ids, tokens)
+            rec = fidelity.compare(ref, other, s.temperature, s.top_k, model.dtype)
+            if ref32 is not None and floor is not None:
+                vs32 = fidelity.compare(ref32, other, s.temperature, s.top_k, torch.float32)
+                rec = fidelity.judge_half(rec, vs32, floor)
+            out[name] = rec
+        return out
+
+
+def upcast(model: RumikModel) -> RumikModel:
+    """The same (rounded) weights in fp32: the reference half-precision error is measured to."""
+    import copy
+    import dataclasses
+
+    return dataclasses.replace(
+        model,
+        lm=copy.deepcopy(model.lm).float(),
+        stop_head=copy.deepcopy(model.stop_head).float(),
+    )

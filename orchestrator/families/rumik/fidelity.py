@@ -13,9 +13,13 @@ import torch
 from orchestrator.families.rumik.engine import Engine, HeadLogits
 from orchestrator.records import FidelityRecord
 
-# Max |logit diff| divided by the std of stock's logits. fp32 differs only by summation
-# order; bf16/fp16 round every matmul, so their bar is wider.
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 3e-2}
+# fp32: max |logit diff| over the std of stock's logits; only summation order differs.
+FP32_TOLERANCE = 1e-3
+# bf16/fp16 round every matmul and the residual stream, and a reordered sum rounds
+# differently, so no fixed bar is honest. Both stock and the stack are measured against an
+# fp32 upcast of the same weights; an exact stack must stay within this factor of stock's
+# own rounding error (its "noise floor").
+NOISE_FACTOR = 2.0
 
 
 def canonical(engine: Engine, out: HeadLogits) -> torch.Tensor:
@@ -52,10 +56,10 @@ def teacher_forced(engine: Engine, prompt_ids: list[int], tokens: list[int]) -> 
 def compare(
     stock: torch.Tensor, other: torch.Tensor, temperature: float, top_k: int, dtype: torch.dtype
 ) -> FidelityRecord:
+    """Stats of `other` against `stock`; in fp32, within tolerance by a fixed bar."""
     finite = torch.isfinite(other)
     diff = (other - stock).abs().where(finite, torch.zeros_like(stock))
     scale = stock[torch.isfinite(stock)].std().clamp_min(1e-6)
-    rel = float(diff.max() / scale)
     log_p = torch.log_softmax(other / temperature, -1)  # candidate's distribution
     log_q = torch.log_softmax(stock / temperature, -1)
     kl = (log_p.exp() * (log_p - log_q)).where(finite, torch.zeros_like(log_p)).sum(-1)
@@ -63,14 +67,32 @@ def compare(
     a, b = other.topk(top_k, -1).indices, stock.topk(top_k, -1).indices
     inter = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1).float()
     jaccard = (inter / (2 * top_k - inter)).mean()
-    tol = TOLERANCE.get(dtype, 1e-3)
     return FidelityRecord(
         steps=stock.shape[0],
         max_abs_logit_diff=float(diff.max()),
-        mean_kl=float(kl.mean()),
-        max_kl=float(kl.max()),
+        mean_kl=float(kl.mean().clamp_min(0)),
+        max_kl=float(kl.max().clamp_min(0)),
         top1_agreement=float(top1),
         topk_agreement=float(jaccard),
-        within_tolerance=bool(rel <= tol and bool(finite.all())),
-        tolerance=tol,
+        within_tolerance=bool(float(diff.max() / scale) <= FP32_TOLERANCE and bool(finite.all())),
+        tolerance=FP32_TOLERANCE,
+    )
+
+
+def judge_half(
+    rec: FidelityRecord, vs_fp32: FidelityRecord, floor: FidelityRecord
+) -> FidelityRecord:
+    """Half precision: within tolerance when the stack is no further from the fp32 upcast
+    than NOISE_FACTOR x stock's own distance (max logit diff and mean KL)."""
+    ok = (
+        vs_fp32.max_abs_logit_diff <= NOISE_FACTOR * floor.max_abs_logit_diff
+        and vs_fp32.mean_kl <= NOISE_FACTOR * floor.mean_kl
+    )
+    return rec.model_copy(
+        update={
+            "within_tolerance": bool(ok and rec.max_abs_logit_diff == rec.max_abs_logit_diff),
+            "tolerance": NOISE_FACTOR,
+            "noise_floor_max_abs": floor.max_abs_logit_diff,
+            "noise_floor_kl": floor.mean_kl,
+        }
     )

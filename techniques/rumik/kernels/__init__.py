@@ -1,0 +1,41 @@
+"""Triton kernels for the Rumik OSS 1 batch-1 decode step (Hopper), each beside its torch
+reference:
+
+- int8_gemv: weight-only INT8 GEMV (quantize_int8, int8_linear, tune_int8_linear)
+- decode_attention: GQA flash-decoding with a device-side length (decode_attention)
+- sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
+- rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
+
+Submodules import Triton; this package does not, so `import techniques.rumik.kernels` is cheap.
+Names below are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "quantize_int8": "int8_gemv",
+    "int8_linear": "int8_gemv",
+    "int8_linear_ref": "int8_gemv",
+    "tune_int8_linear": "int8_gemv",
+    "GemvConfig": "int8_gemv",
+    "decode_attention": "decode_attention",
+    "decode_attention_ref": "decode_attention",
+    "sample_top_k": "sampler",
+    "sample_top_k_ref": "sampler",
+    "top_k_probs_ref": "sampler",
+    "layer_norm": "rope_norm",
+    "add_layer_norm": "rope_norm",
+    "rope_cos_sin": "rope_norm",
+    "rope_and_cache_write": "rope_norm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -1,0 +1,138 @@
+"""Helpers shared by the Rumik decode kernels: device checks, PDL flags, small integer maths.
+
+Nothing here launches a kernel. Triton is imported lazily by the kernel modules themselves, so
+importing this module never needs a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+# Dtypes the kernels accept for activations (weights of the GEMV are int8).
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def patch_interpreter_scalars() -> None:
+    """Make Triton 3.6's interpreter work with numpy >= 2.4 (only under TRITON_INTERPRET=1).
+
+    The interpreter keeps scalars as 1-element arrays and turns them into Python ints with
+    int(array), which numpy 2.4 refuses; every `range(lo, hi)` with runtime bounds then fails
+    ("only 0-dimensional arrays can be converted to Python scalars", triton-lang/triton#9171,
+    fixed upstream by #9172 after 3.6.0). This re-registers the same conversion through
+    reshape(-1)[0]; compiled kernels are untouched. Idempotent.
+    """
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_fix", False):
+        return
+
+    def patched(tensor: object, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_fix = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+def check_device(name: str, *tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device, CUDA, or CPU only under the interpreter; returns that device."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"{name}: tensors on different devices: {t.device} and {device}")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise ValueError(
+            f"{name}: tensors must be on a CUDA device (or on the CPU with TRITON_INTERPRET=1), "
+            f"got {device}"
+        )
+    return device
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name}: dtype must be one of {allowed}, got {t.dtype}")
+
+
+def pdl_enabled(launch_pdl: bool, device: torch.device) -> bool:
+    """Programmatic dependent launch only where it exists: a Hopper+ GPU, not the interpreter.
+
+    The kernels call gdc_wait()/gdc_launch_dependents() behind a constexpr that is this value,
+    so the interpreter and pre-Hopper GPUs never meet those instructions.
+    """
+    if not launch_pdl or interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(use_pdl: bool, num_warps: int = 4, num_stages: int = 1) -> dict[str, object]:
+    """Keyword arguments for kernel[grid](...); launch_pdl is only passed when it is on."""
+    opts: dict[str, object] = {"num_warps": num_warps, "num_stages": num_stages}
+    if use_pdl:
+        opts["launch_pdl"] = True
+    return opts
+
+
+def check_scalar_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """A one-element integer tensor on `device` (device-side length / position / counter)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(
+            f"{name} must be a one-element int32/int64 tensor on the device (read on the device "
+            f"so the launch is CUDA-graph safe), got {type(t).__name__}"
+        )
+    if t.numel() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be one int32/int64 element, got {tuple(t.shape)} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    return t
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def l2_copies(device: torch.device, nbytes: int, factor: int = 4) -> int:
+    """How many copies of an nbytes operand together exceed `factor` x the device's L2."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    return max(1, math.ceil(factor * l2 / max(1, nbytes)))
+
+
+def graph_ms_per_call(calls: Sequence[Callable[[], object]], replays: int = 10) -> float:
+    """Mean ms per call of `calls` captured back to back in one CUDA graph.
+
+    Graph replay removes the host launch cost (the Python wrappers take tens of microseconds,
+    more than the kernels), so this times the GPU work and the launch gaps a graph keeps.
+    Give calls over operand copies larger than the L2 to time HBM traffic.
+    """
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * len(calls))

@@ -1,0 +1,351 @@
+"""Decode-step glue kernels: (residual add +) bias-free LayerNorm, and interleaved rotary +
+KV-cache write at a device-side position.
+
+Contract
+--------
+`layer_norm(x[..., N], weight[N], eps=1e-5) -> xn` in x's dtype: Cohere2LayerNorm exactly
+(fp32 mean and biased variance, (x - mean) * rsqrt(var + eps) * weight, no bias).
+`add_layer_norm(x, residual, weight, eps) -> (xn, s)`: s = x + residual rounded to x's dtype
+(what an unfused add stores), xn = layer_norm(s). One read of each input, one launch.
+N <= 16384.
+
+`rope_and_cache_write(q[Hq, D], k[Hkv, D], v[Hkv, D], k_cache, v_cache, pos, cos, sin,
+rotary=True) -> q_out[Hq, D]`
+- pos: a one-element int32/int64 tensor ON THE DEVICE (the new token's position).
+- rotary=True: GPT-J / Cohere interleaved rotary on pairs (2i, 2i+1), the convention of
+  transformers' Cohere2 (`rotate_half` = stack(-x[1::2], x[::2]) flattened, cos/sin
+  repeat_interleave(2)): out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i +
+  x[2i] sin_i, in fp32, rounded to the input dtype. cos/sin: [P, D/2] tables from
+  `rope_cos_sin` (HF's inv_freq, cos/sin rounded to the model dtype as HF does).
+  rotary=False (Cohere2's full-attention layers, which have no positional encoding) copies.
+- Writes the (rotated) k and v into k_cache/v_cache ([Hkv, S_max, D] or [1, Hkv, S_max, D]) at
+  row pos; a pos outside [0, S_max) writes nothing. q_out may alias q (in place).
+- q, k, v may be strided views (e.g. column slices of the packed QKV projection output): only
+  the last dim must be contiguous. D even, <= 256; Hq, Hkv <= 64.
+- No host synchronisation: CUDA-graph / device-loop safe.
+
+Why it is fast
+--------------
+At batch 1 these ops move a few KB; their cost is launches and round trips through memory.
+LayerNorm (with the residual add of the parallel block fused in) is one program per row with
+the whole 2048-wide row in registers. Rotary for all heads of q and k plus both cache writes
+is a single one-program launch that reads cos/sin for one position from a precomputed table
+(no sin/cos evaluated on the device, so results do not depend on the GPU's transcendental
+approximations) and the position from device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_scalar_tensor,
+    launch_options,
+    next_pow2,
+    patch_interpreter_scalars,
+    pdl_enabled,
+)
+
+patch_interpreter_scalars()
+
+MAX_NORM_WIDTH = 16384
+MAX_HEADS = 64
+MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------- LayerNorm
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
+    stride_x, stride_r, stride_o, stride_s,
+    BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    m = cols < N
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)  # weights: before the wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        s = x.to(sum_ptr.dtype.element_ty)  # the residual stream is stored rounded: norm that
+        tl.store(sum_ptr + row * stride_s + cols, s, mask=m)
+        x = s.to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(m, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / N
+    y = xc * tl.rsqrt(var + eps) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Cohere2LayerNorm: fp32 LayerNorm with weight and no bias, cast back to x's dtype."""
+    n = x.shape[-1]
+    return F.layer_norm(x.float(), (n,), weight.float(), None, eps).to(x.dtype)
+
+
+def add_layer_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = (x.float() + residual.float()).to(x.dtype)
+    return layer_norm_ref(s, weight, eps), s
+
+
+def _rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.shape[-1] != n:
+        raise ValueError(f"{name}: last dim must be {n}, got {t.shape[-1]}")
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None,
+    sum_out: torch.Tensor | None,
+    launch_pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    device = check_device("layer_norm", *tensors)
+    for t in tensors:
+        check_dtype("layer_norm", t, FLOAT_DTYPES)
+    n = x.shape[-1]
+    if weight.numel() != n or not 1 <= n <= MAX_NORM_WIDTH:
+        raise ValueError(f"layer_norm: width must be 1..{MAX_NORM_WIDTH} matching weight, got {n}")
+    x2 = _rows("layer_norm x", x, n)
+    r2 = x2 if residual is None else _rows("layer_norm residual", residual, n)
+    if residual is not None and r2.shape != x2.shape:
+        raise ValueError("add_layer_norm: x and residual must have the same shape")
+    out = torch.empty_like(x) if out is None else out
+    s = None if residual is None else (torch.empty_like(x) if sum_out is None else sum_out)
+    for name, t in (("out", out), ("sum_out", s)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
+            raise ValueError(f"layer_norm: {name} must be contiguous {tuple(x.shape)} {x.dtype}")
+    o2 = out.view(-1, n)
+    s2 = o2 if s is None else s.view(-1, n)
+    use_pdl = pdl_enabled(launch_pdl, device)
+    block = next_pow2(n)
+    _layer_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight.contiguous(), o2, s2, n, float(eps),
+        x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
+        BLOCK_N=block, HAS_RES=residual is not None, USE_PDL=use_pdl,
+        **launch_options(use_pdl, 4 if block <= 4096 else 8),
+    )  # fmt: skip
+    return out, s
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    out: torch.Tensor | None = None,
+    launch_pdl: bool = False,
+) -> torch.Tensor:
+    """Bias-free LayerNorm of each row of x (Cohere2LayerNorm)."""
+    return _norm(x, None, weight, eps, out, None, launch_pdl)[0]
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    out: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
+    launch_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual): the parallel block's residual add + next norm."""
+    xn, s = _norm(x, residual, weight, eps, out, sum_out, launch_pdl)
+    assert s is not None
+    return xn, s
+
+
+# --------------------------------------------------------------------------- rotary + cache
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr, dst_ptr, stride_src, stride_dst, cos, sin, n_heads, ok,
+    H_PAD: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+):  # fmt: skip
+    """Rotate [n_heads, 2*HALF] rows (pairs 2i, 2i+1) from src into dst (dst may be src)."""
+    h = tl.arange(0, H_PAD)
+    i = tl.arange(0, HALF)
+    m = (h < n_heads)[:, None] & ok
+    src = src_ptr + h[:, None] * stride_src + 2 * i[None, :]
+    even = tl.load(src, mask=m, other=0.0)
+    odd = tl.load(src + 1, mask=m, other=0.0)
+    if ROTARY:
+        e = even.to(tl.float32)
+        o = odd.to(tl.float32)
+        even = e * cos[None, :] - o * sin[None, :]
+        odd = o * cos[None, :] + e * sin[None, :]
+    dst = dst_ptr + h[:, None] * stride_dst + 2 * i[None, :]
+    tl.store(dst, even.to(dst_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + 1, odd.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr,
+    HQ, HKV, S_MAX, TABLE_LEN,
+    stride_q, stride_k, stride_v, stride_qo, stride_kch, stride_kcs, stride_vch, stride_vcs,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
+    ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    i = tl.arange(0, HALF)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.zeros([HALF], dtype=tl.float32)
+    sin = tl.zeros([HALF], dtype=tl.float32)
+    if ROTARY:
+        in_table = (pos >= 0) & (pos < TABLE_LEN)
+        cos = tl.load(cos_ptr + pos * HALF + i, mask=in_table, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + i, mask=in_table, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, stride_q, stride_qo, cos, sin, HQ, True,
+                  HQ_PAD, HALF, ROTARY)  # fmt: skip
+    in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
+    _rotate_heads(k_ptr, kc_ptr + pos * stride_kcs, stride_k, stride_kch, cos, sin, HKV,
+                  in_cache, HKV_PAD, HALF, ROTARY)  # fmt: skip
+    _rotate_heads(v_ptr, vc_ptr + pos * stride_vcs, stride_v, stride_vch, cos, sin, HKV,
+                  in_cache, HKV_PAD, HALF, False)  # fmt: skip
+
+
+def rope_cos_sin(
+    max_positions: int,
+    head_dim: int = 128,
+    theta: float = 50000.0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim // 2] as transformers' Cohere2RotaryEmbedding
+    computes them (fp32 angles, then rounded to the model dtype); one value per pair."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    inv_freq = inv_freq.to(device)
+    pos = torch.arange(max_positions, device=device, dtype=torch.float)
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
+
+
+def rotary_ref(x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' Cohere2 interleaved rotary for rows x[..., D] at one position."""
+    c = cos[pos].float().repeat_interleave(2)
+    s = sin[pos].float().repeat_interleave(2)
+    xf = x.float()
+    rot = torch.stack([-xf[..., 1::2], xf[..., ::2]], dim=-1).flatten(-2)
+    return (xf * c + rot * s).to(x.dtype)
+
+
+def rope_and_cache_write_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int | torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary: bool = True,
+) -> torch.Tensor:
+    """Reference: returns q_out and writes k/v into the caches (in place), like the kernel."""
+    p = int(pos.item()) if isinstance(pos, torch.Tensor) else int(pos)
+    q_out = rotary_ref(q, p, cos, sin) if rotary else q.clone()
+    k_new = rotary_ref(k, p, cos, sin) if rotary else k
+    kc, vc = _as_3d(k_cache), _as_3d(v_cache)
+    if 0 <= p < kc.shape[1]:
+        kc[:, p] = k_new.to(kc.dtype)
+        vc[:, p] = v.to(vc.dtype)
+    return q_out
+
+
+def _as_3d(cache: torch.Tensor) -> torch.Tensor:
+    if cache.dim() == 4 and cache.shape[0] == 1:
+        cache = cache[0]
+    if cache.dim() != 3:
+        raise ValueError(f"cache must be [Hkv, S_max, D] or [1, Hkv, S_max, D], got {cache.shape}")
+    return cache
+
+
+def _heads(name: str, t: torch.Tensor, d: int) -> torch.Tensor:
+    t2 = t.reshape(-1, d) if t.dim() != 2 else t
+    if t2.stride(-1) != 1:
+        raise ValueError(f"rope_and_cache_write: {name} must have a contiguous last dim")
+    return t2
+
+
+def _check_rope(
+    q: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cos: torch.Tensor
+) -> None:
+    d = q.shape[-1]
+    if d % 2 or d > MAX_HEAD_DIM or k.shape[-1] != d or kc.shape[-1] != d:
+        raise ValueError(f"rope_and_cache_write: head_dim must be even, <= {MAX_HEAD_DIM}, equal")
+    if d & (d - 1):
+        raise ValueError(f"rope_and_cache_write: head_dim must be a power of two, got {d}")
+    if q.shape[0] > MAX_HEADS or k.shape[0] > MAX_HEADS:
+        raise ValueError(f"rope_and_cache_write: at most {MAX_HEADS} heads")
+    if kc.shape != vc.shape or kc.shape[0] != k.shape[0]:
+        raise ValueError("rope_and_cache_write: caches must be [Hkv, S_max, D] matching k")
+    if kc.stride(-1) != 1 or vc.stride(-1) != 1:
+        raise ValueError("rope_and_cache_write: caches must have a contiguous last dim")
+    if cos.dim() != 2 or cos.shape[1] != d // 2 or not cos.is_contiguous():
+        raise ValueError(f"rope_and_cache_write: cos/sin must be contiguous [P, {d // 2}]")
+
+
+def rope_and_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary: bool = True,
+    q_out: torch.Tensor | None = None,
+    launch_pdl: bool = False,
+) -> torch.Tensor:
+    """Rotate q and k at the device position `pos`; write k, v into the caches at `pos`."""
+    kc, vc = _as_3d(k_cache), _as_3d(v_cache)
+    d = kc.shape[-1]
+    q2, k2, v2 = _heads("q", q, d), _heads("k", k, d), _heads("v", v, d)
+    device = check_device("rope_and_cache_write", q2, k2, v2, kc, vc, cos, sin)
+    check_scalar_tensor("rope_and_cache_write pos", pos, device)
+    for t in (q2, k2, v2, kc, vc, cos, sin):
+        check_dtype("rope_and_cache_write", t, FLOAT_DTYPES)
+    _check_rope(q2, k2, kc, vc, cos)
+    if v2.shape != k2.shape or sin.shape != cos.shape:
+        raise ValueError("rope_and_cache_write: v must match k, sin must match cos")
+    if q_out is None:
+        q_out = torch.empty_like(q2)
+    elif q_out.numel() != q2.numel() or q_out.dtype != q2.dtype:
+        raise ValueError("rope_and_cache_write: q_out must match q in size and dtype")
+    qo = q_out.view(q2.shape)
+    use_pdl = pdl_enabled(launch_pdl, device)
+    _rope_cache_kernel[(1,)](
+        q2, k2, v2, pos, cos, sin, qo, kc, vc,
+        q2.shape[0], k2.shape[0], kc.shape[1], cos.shape[0],
+        q2.stride(0), k2.stride(0), v2.stride(0), qo.stride(0),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        HQ_PAD=next_pow2(max(2, q2.shape[0])), HKV_PAD=next_pow2(max(2, k2.shape[0])),
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl,
+        **launch_options(use_pdl, 4),
+    )  # fmt: skip
+    return q_out

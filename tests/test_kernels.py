@@ -1,0 +1,490 @@
+"""Correctness of the Rumik decode kernels (techniques/rumik/kernels) against torch references.
+
+Without CUDA the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set only while
+this module imports (reloads) the kernel modules - @triton.jit picks interpreter or compiler at
+decoration time - and while its own tests run (module fixture), then restored, so it does not
+leak into other test modules. Shapes are small there (the interpreter is slow); the same tests
+run compiled on a GPU, and the `gpu`-marked ones add real shapes, CUDA graphs and PDL.
+
+Notes on the interpreter: it rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), so
+bf16 checks use relative-error thresholds ~1e-2, and fp32 inputs are used where exactness
+matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+_KERNELS = "techniques.rumik.kernels."
+_ENV_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton decides interpreter-or-compiler when a function is decorated, its own library
+# functions included, so without CUDA the interpreter must be on before triton's first import.
+# If something imported triton earlier, run this file again in a fresh interpreted process.
+IN_PROCESS = CUDA or _ENV_INTERPRET or "triton" not in sys.modules
+
+
+@contextlib.contextmanager
+def _interpreter(on: bool) -> Iterator[None]:
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _load(name: str) -> object:
+    full = _KERNELS + name
+    if full in sys.modules and not CUDA:
+        return importlib.reload(sys.modules[full])  # re-decorate as interpreted kernels
+    return importlib.import_module(full)
+
+
+with _interpreter(not CUDA and IN_PROCESS):
+    pytest.importorskip("triton")
+    if IN_PROCESS:
+        gemv, attn, samp, rn = (_load(n) for n in ("int8_gemv", "decode_attention", "sampler",
+                                                    "rope_norm"))  # fmt: skip
+    else:  # only the subprocess test below runs; names still needed at collection
+        gemv = importlib.import_module(_KERNELS + "int8_gemv")
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpret_while_testing() -> Iterator[None]:
+    with _interpreter(not CUDA):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _only_in_process(request: pytest.FixtureRequest) -> None:
+    if not IN_PROCESS and request.node.name != "test_interpreted_subprocess":
+        pytest.skip("runs inside test_interpreted_subprocess")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="kernels already run in this process")
+def test_interpreted_subprocess() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1.5e-2
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """Fresh random values, never all zero (offset away from 0 so no row degenerates)."""
+    x = torch.randn(*shape, device=DEVICE) * scale
+    return (x + 0.01 * torch.sign(x)).to(dtype)
+
+
+def dev_int(value: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor([value], dtype=dtype, device=DEVICE)
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+# --------------------------------------------------------------------------- INT8 GEMV
+
+
+def test_quantize_int8_bounds_and_zero_row() -> None:
+    w = randn(24, 160)
+    w[3] = 0
+    q, scale = gemv.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (24,)
+    assert int(q.abs().max()) <= 127 and bool((q[3] == 0).all()) and float(scale[3]) == 1.0
+    err = (gemv.dequantize_int8(q, scale, torch.float32) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-6).all())  # round to nearest: half a step
+
+
+GEMV_CASES = [
+    (64, 256, gemv.GemvConfig(16, 64)),  # even: unmasked loads
+    (72, 200, gemv.GemvConfig(16, 64)),  # ragged N and K: masked loads
+    (64, 512, gemv.GemvConfig(8, 64, split_k=4)),  # split-K, even
+    (40, 300, gemv.GemvConfig(8, 64, split_k=3)),  # split-K, ragged
+    (64, 512, gemv.GemvConfig(16, 64, prefetch=True)),  # register double-buffering, even
+    (40, 300, gemv.GemvConfig(8, 64, split_k=2, prefetch=True)),  # prefetch + split-K, ragged
+    (72, 200, gemv.GemvConfig(16, 64, prefetch=True, magic=True)),  # bit-trick int8 -> fp32
+    (64, 512, gemv.GemvConfig(8, 64, split_k=4, magic=True)),
+]
+
+
+@pytest.mark.parametrize("n,k,cfg", GEMV_CASES)
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_reference(
+    n: int, k: int, cfg: object, m: int, dtype: torch.dtype
+) -> None:
+    q, scale = gemv.quantize_int8(randn(n, k))
+    x = randn(m, k, dtype=dtype)
+    out = gemv.int8_linear(x, q, scale, config=cfg)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, gemv.int8_linear_ref(x, q, scale)) < tol(dtype)
+    w = gemv.dequantize_int8(q, scale, torch.float32)
+    assert rel_err(out, torch.nn.functional.linear(x.float(), w)) < tol(dtype)
+
+
+def test_int8_linear_split_k_is_deterministic_and_rearms() -> None:
+    q, scale = gemv.quantize_int8(randn(48, 384))
+    x = randn(1, 384, dtype=torch.bfloat16)
+    cfg = gemv.GemvConfig(16, 64, split_k=3)
+    first = gemv.int8_linear(x, q, scale, config=cfg)
+    for _ in range(2):  # as graph replays would
+        assert torch.equal(gemv.int8_linear(x, q, scale, config=cfg), first)
+    assert int(gemv._SEMAPHORES[str(x.device)].abs().sum()) == 0
+
+
+def test_int8_linear_vector_input_and_default_config() -> None:
+    q, scale = gemv.quantize_int8(randn(32, 128))
+    x = randn(128, dtype=torch.bfloat16)
+    out = gemv.int8_linear(x, q, scale)
+    assert out.shape == (32,)
+    assert rel_err(out, gemv.int8_linear_ref(x[None], q, scale)[0]) < tol(torch.bfloat16)
+
+
+def test_int8_linear_rejects_unsupported() -> None:
+    q, scale = gemv.quantize_int8(randn(16, 64))
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        gemv.int8_linear(randn(5, 64), q, scale)
+    with pytest.raises(ValueError, match="K=32"):
+        gemv.int8_linear(randn(1, 32), q, scale)
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.int8_linear(torch.ones(1, 64, dtype=torch.int32, device=DEVICE), q, scale)
+    with pytest.raises(ValueError, match="int8"):
+        gemv.int8_linear(randn(1, 64), q.float(), scale)
+
+
+# --------------------------------------------------------------------------- decode attention
+
+
+def _kv(s_max: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = randn(1, 4, s_max, 128, dtype=dtype), randn(1, 4, s_max, 128, dtype=dtype)
+    k[:, :, length:] = float("nan")  # poison: any read beyond the length shows up
+    v[:, :, length:] = 1e30
+    return k, v
+
+
+ATTN_CASES = [
+    (1, 0, 4),  # only the current token
+    (100, 0, 4),
+    (256, 0, 4),  # full cache
+    (200, 64, 4),  # sliding window inside the length
+    (50, 64, 4),  # window longer than the length: no effect
+    (37, 0, 1),  # single-pass variant
+    (150, 16, 8),  # window shorter than one split
+]
+
+
+@pytest.mark.parametrize("length,window,splits", ATTN_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(
+    length: int, window: int, splits: int, dtype: torch.dtype
+) -> None:
+    q = randn(1, 16, 128, dtype=dtype)
+    k, v = _kv(256, length, dtype)
+    out = attn.decode_attention(q, k, v, dev_int(length), window=window, num_splits=splits,
+                                block_s=16)  # fmt: skip
+    ref = attn.decode_attention_ref(q, k, v, length, window=window)
+    assert out.shape == q.shape and not bool(out.isnan().any())
+    assert rel_err(out, ref) < tol(dtype)
+
+
+def test_decode_attention_window_equals_slice() -> None:
+    q = randn(1, 16, 128)
+    k, v = _kv(128, 128, torch.float32)
+    windowed = attn.decode_attention(q, k, v, dev_int(120), window=32, block_s=16)
+    sliced = attn.decode_attention(q, k[:, :, 88:120], v[:, :, 88:120], dev_int(32), block_s=16)
+    assert rel_err(windowed, sliced) < 1e-5
+
+
+def test_decode_attention_length_is_read_on_device() -> None:
+    """One launch configuration, lengths changed in device memory (as graph replays do)."""
+    q = randn(16, 128)
+    k, v = randn(4, 192, 128), randn(4, 192, 128)
+    length = dev_int(0)
+    out = torch.empty_like(q)
+    for n in (0, 5, 64, 191):
+        length.fill_(n)
+        attn.decode_attention(q, k, v, length, out=out, num_splits=4, block_s=16)
+        if n:
+            assert rel_err(out, attn.decode_attention_ref(q, k, v, n)) < 1e-5
+        else:
+            assert float(out.abs().max()) == 0.0
+
+
+def test_decode_attention_gqa_groups() -> None:
+    """Hq=8 over Hkv=2 (group 4) with a strided view of a larger cache."""
+    q = randn(8, 128)
+    big_k, big_v = randn(2, 96, 128), randn(2, 96, 128)
+    k, v = big_k[:, :64], big_v[:, :64]
+    out = attn.decode_attention(q, k, v, dev_int(50, torch.int64), num_splits=2, block_s=16)
+    assert rel_err(out, attn.decode_attention_ref(q, k, v, 50)) < 1e-5
+
+
+def test_decode_attention_rejects_unsupported() -> None:
+    q = randn(1, 16, 64)
+    k = randn(1, 4, 32, 64)
+    with pytest.raises(ValueError, match="head_dim must be 128"):
+        attn.decode_attention(q, k, k, dev_int(4))
+    q, k = randn(1, 16, 128), randn(1, 4, 32, 128)
+    with pytest.raises(ValueError, match="length must be a one-element"):
+        attn.decode_attention(q, k, k, 4)  # type: ignore[arg-type]
+    huge = torch.zeros(1, 1, 1, 128, device=DEVICE).expand(1, 4, attn.MAX_SEQ + 1, 128)
+    with pytest.raises(ValueError, match="S_max"):
+        attn.decode_attention(q, huge, huge, dev_int(4))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        attn.decode_attention(randn(1, 6, 128), k, k, dev_int(4))
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def _chi2_critical(df: int, z: float = 4.75) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (z=4.75: p ~ 1e-6)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _assert_distribution(draws: torch.Tensor, probs: torch.Tensor) -> None:
+    n = draws.numel()
+    counts = torch.bincount(draws.cpu(), minlength=probs.numel()).double()
+    p = probs.cpu().double()
+    assert bool((counts[p == 0] == 0).all()), "sampled a column outside the top-k support"
+    tv = 0.5 * float((counts / n - p).abs().sum())
+    assert tv < 0.08, f"total variation {tv:.3f}"
+    big = p * n >= 5  # chi-square over well-populated columns, the rest pooled
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([p[big] * n, (p[~big] * n).sum()[None]])
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    assert chi2 < _chi2_critical(int(keep.sum()) - 1), f"chi2 {chi2:.1f}"
+
+
+SAMPLER_CASES = [
+    (1000, 4096, {}),  # one program (codebook-head width path)
+    (3000, 512, {"allowed": (100, 2000), "extra_allowed": 2999}),  # two stages + allowed range
+]
+
+
+@pytest.mark.parametrize("width,block,kw", SAMPLER_CASES)
+def test_sampler_distribution(width: int, block: int, kw: dict) -> None:
+    logits = randn(width, scale=2.0)
+    counter = dev_int(7, torch.int64)
+    draws = samp.sample_top_k(logits, counter, seed=1234, num_samples=4096, block_v=block,
+                              single_max=1024, **kw)  # fmt: skip
+    assert draws.dtype == torch.int64 and draws.device.type == DEVICE.type
+    assert int(counter) == 7 + 4096
+    _assert_distribution(draws, samp.top_k_probs_ref(logits, **kw))
+
+
+def test_sampler_additive_mask_and_bf16() -> None:
+    logits = randn(900, dtype=torch.bfloat16, scale=2.0)
+    mask = torch.full((900,), float("-inf"), device=DEVICE)
+    mask[::8] = 0.0  # one codebook's columns: every 8th
+    counter = dev_int(0, torch.int64)
+    draws = samp.sample_top_k(logits, counter, seed=5, temperature=1.3, top_k=20, mask=mask,
+                              num_samples=2048)  # fmt: skip
+    assert bool((draws % 8 == 0).all())
+    _assert_distribution(draws, samp.top_k_probs_ref(logits, temperature=1.3, top_k=20, mask=mask))
+
+
+def test_sampler_counter_drives_randomness() -> None:
+    logits = randn(100, scale=0.1)  # nearly flat over the top 30: repeats would be visible
+    counter = dev_int(0, torch.int64)
+    a = torch.cat([samp.sample_top_k(logits, counter, seed=9) for _ in range(12)])
+    assert int(counter) == 12 and len(set(a.tolist())) > 4
+    counter.fill_(0)
+    b = torch.cat([samp.sample_top_k(logits, counter, seed=9) for _ in range(12)])
+    assert torch.equal(a, b)  # (seed, counter) reproduces the draws
+    counter.fill_(0)
+    c = torch.cat([samp.sample_top_k(logits, counter, seed=10) for _ in range(12)])
+    assert not torch.equal(a, c)
+
+
+def test_sampler_edge_cases() -> None:
+    logits = randn(300)
+    counter = dev_int(0, torch.int64)
+    only = samp.sample_top_k(logits, counter, seed=1, allowed=(0, 0), extra_allowed=17)
+    assert int(only) == 17
+    none = samp.sample_top_k(logits, counter, seed=1, allowed=(0, 0))
+    assert int(none) == -1
+    few = samp.sample_top_k(logits, counter, seed=1, allowed=(40, 43), num_samples=64)
+    assert bool(((few >= 40) & (few < 43)).all())
+    nan_row = logits.clone()
+    nan_row[:150] = float("nan")
+    assert bool((samp.sample_top_k(nan_row, counter, seed=1, num_samples=64) >= 150).all())
+    with pytest.raises(ValueError, match="top_k"):
+        samp.sample_top_k(logits, counter, seed=1, top_k=200)
+    with pytest.raises(ValueError, match="temperature"):
+        samp.sample_top_k(logits, counter, seed=1, temperature=0.0)
+    with pytest.raises(ValueError, match="counter"):
+        samp.sample_top_k(logits, dev_int(0, torch.int32), seed=1)
+
+
+# --------------------------------------------------------------------------- norm + rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_and_residual_add(dtype: torch.dtype) -> None:
+    x, r = randn(3, 2048, dtype=dtype), randn(3, 2048, dtype=dtype)
+    w = (torch.rand(2048, device=DEVICE) + 0.5).to(dtype)
+    assert rel_err(rn.layer_norm(x, w), rn.layer_norm_ref(x, w)) < tol(dtype)
+    xn, s = rn.add_layer_norm(x, r, w)
+    xn_ref, s_ref = rn.add_layer_norm_ref(x, r, w)
+    assert rel_err(s, s_ref) < tol(dtype) and rel_err(xn, xn_ref) < tol(dtype)
+    odd = randn(1, 1000, dtype=dtype)  # width not a power of two
+    w_odd = torch.ones(1000, device=DEVICE, dtype=dtype)
+    assert rel_err(rn.layer_norm(odd, w_odd), rn.layer_norm_ref(odd, w_odd)) < tol(dtype)
+
+
+def test_layer_norm_matches_cohere2_module() -> None:
+    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
+    norm = mod.Cohere2LayerNorm(256, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256) + 0.5)
+        x = randn(2, 256)
+        assert rel_err(rn.layer_norm(x, norm.weight), norm(x)) < 1e-5
+
+
+def _packed_qkv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as column views of one packed projection row (strided, as in decode)."""
+    row = randn(1, 16 * 128 + 2 * 4 * 128 + 64, dtype=dtype)
+    return (row[0, :2048].view(16, 128), row[0, 2048:2560].view(4, 128),
+            row[0, 2560:3072].view(4, 128))  # fmt: skip
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write(rotary: bool, dtype: torch.dtype) -> None:
+    cos, sin = rn.rope_cos_sin(512, dtype=dtype, device=DEVICE)
+    q, k, v = _packed_qkv(dtype)
+    kc, vc = randn(1, 4, 64, 128, dtype=dtype), randn(1, 4, 64, 128, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_out = rn.rope_and_cache_write(q, k, v, kc, vc, dev_int(37), cos, sin, rotary=rotary)
+    q_ref = rn.rope_and_cache_write_ref(q, k, v, kc_ref, vc_ref, 37, cos, sin, rotary=rotary)
+    assert rel_err(q_out, q_ref) < tol(dtype)
+    assert rel_err(kc[:, :, 37], kc_ref[:, :, 37]) < tol(dtype)
+    assert torch.equal(vc[:, :, 37], v[None])  # v is copied, never rotated
+    others = torch.ones(64, dtype=torch.bool)
+    others[37] = False
+    assert torch.equal(kc[:, :, others], kc_ref[:, :, others])  # only row 37 written
+    assert torch.equal(vc[:, :, others], vc_ref[:, :, others])
+    if not rotary:
+        assert torch.equal(q_out, q) and torch.equal(kc[0, :, 37], k)
+
+
+def test_rope_matches_transformers_cohere2() -> None:
+    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
+    cos, sin = rn.rope_cos_sin(4096, theta=50000.0, dtype=torch.float32, device=DEVICE)
+    q, k, v = _packed_qkv(torch.float32)
+    kc = vc = torch.zeros(4, 8, 128, device=DEVICE)
+    for pos in (0, 1, 3001):
+        c = cos[pos].repeat_interleave(2)[None, None]  # [1, 1, D] as Cohere2RotaryEmbedding
+        s = sin[pos].repeat_interleave(2)[None, None]
+        q_hf, _ = mod.apply_rotary_pos_emb(q[None, :, None], k[None, :, None], c, s)
+        q_out = rn.rope_and_cache_write(q, k, v, kc, vc, dev_int(pos), cos, sin)
+        assert rel_err(q_out, q_hf[0, :, 0]) < 1e-6
+
+
+def test_rope_table_matches_transformers_rotary_embedding() -> None:
+    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
+    cfg_mod = pytest.importorskip("transformers.models.cohere2.configuration_cohere2")
+    config = cfg_mod.Cohere2Config(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    )  # fmt: skip
+    emb = mod.Cohere2RotaryEmbedding(config).to(DEVICE)
+    positions = torch.tensor([[0, 5, 4095, 8191]], device=DEVICE)
+    x = torch.zeros(1, device=DEVICE, dtype=torch.bfloat16)
+    cos_hf, sin_hf = emb(x, positions)
+    cos, sin = rn.rope_cos_sin(8192, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(cos[positions[0]].repeat_interleave(2, -1), cos_hf[0])
+    assert torch.equal(sin[positions[0]].repeat_interleave(2, -1), sin_hf[0])
+
+
+def test_rope_position_outside_cache_writes_nothing_and_in_place_q() -> None:
+    cos, sin = rn.rope_cos_sin(64, dtype=torch.float32, device=DEVICE)
+    q, k, v = randn(16, 128), randn(4, 128), randn(4, 128)
+    kc, vc = randn(4, 16, 128), randn(4, 16, 128)
+    before = kc.clone(), vc.clone()
+    q_ref = rn.rotary_ref(q, 20, cos, sin)
+    rn.rope_and_cache_write(q, k, v, kc, vc, dev_int(20), cos, sin, q_out=q)  # in place
+    assert rel_err(q, q_ref) < 1e-6
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    with pytest.raises(ValueError, match="pos must be a one-element"):
+        rn.rope_and_cache_write(q, k, v, kc, vc, 3, cos, sin)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_real_shapes_graphs_and_pdl() -> None:
+    """Real shapes, CUDA-graph replay with device-side length/position/counter, and PDL."""
+    torch.manual_seed(0)
+    w = randn(25088, 2048, dtype=torch.bfloat16, scale=0.02)
+    q8, scale = gemv.quantize_int8(w)
+    x = randn(1, 2048, dtype=torch.bfloat16)
+    for pdl in (False, True):
+        y = gemv.int8_linear(x, q8, scale, launch_pdl=pdl)
+        assert rel_err(y, gemv.int8_linear_ref(x, q8, scale)) < 1e-2
+    w2 = randn(2048, 13056, dtype=torch.bfloat16, scale=0.02)
+    q2, s2 = gemv.quantize_int8(w2)
+    x2 = randn(1, 13056, dtype=torch.bfloat16)
+    y2 = gemv.int8_linear(x2, q2, s2, config=gemv.GemvConfig(8, 256, 4, split_k=4))
+    assert rel_err(y2, gemv.int8_linear_ref(x2, q2, s2)) < 1e-2
+
+    qa = randn(1, 16, 128, dtype=torch.bfloat16)
+    k, v = _kv(8192, 8192, torch.bfloat16)
+    length = dev_int(1)
+    counter = dev_int(0, torch.int64)
+    logits = randn(277404, dtype=torch.bfloat16, scale=3.0)
+    out = torch.empty_like(qa)
+    tok = torch.empty(1, dtype=torch.int64, device=DEVICE)
+    step = lambda: (  # noqa: E731
+        attn.decode_attention(qa, k, v, length, window=4096, out=out, launch_pdl=True),
+        samp.sample_top_k(logits, counter, seed=3, out=tok, launch_pdl=True),
+    )
+    step()  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    counter.zero_()
+    seen = []
+    for n in (1, 100, 4097, 8192):
+        length.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = attn.decode_attention_ref(qa, k, v, n, window=4096)
+        assert rel_err(out, ref) < 1e-2
+        seen.append(int(tok))
+    assert int(counter) == 4
+    support = samp.top_k_probs_ref(logits) > 0
+    assert all(bool(support[t]) for t in seen)
