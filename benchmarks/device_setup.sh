@@ -1,4 +1,5 @@
-# Prepare a bare, offline GPU host for this project. Source it from the repo root:
+# Prepare a bare, offline GPU host for this project. Source it from the repo root (export
+# ORCHESTRATE_CODE_SHA=$(git rev-parse HEAD) first: the copied tree has no .git to read):
 #   source benchmarks/device_setup.sh
 # Carried wheels (.whl/: pydantic, sqlalchemy, alembic, mako) go to /tmp/site; the project
 # itself is installed editable so its entry points (technique plugins) register.
