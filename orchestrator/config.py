@@ -107,6 +107,12 @@ class Workload(Strict):
     warmups: int = Field(3, ge=0)
     length_policy: LengthPolicy = LengthPolicy()
     save_audio: int = Field(2, ge=0, description="WAVs kept per stack (for listening, MLflow).")
+    measure_ttfa: bool = Field(
+        True,
+        description="Also time each prompt to its first decoded 80 ms frame (a one-frame "
+        "synthesis through the same path: prefill + 8 tokens + codec), as a streaming "
+        "server would see it. Not part of the latency/RTF numbers.",
+    )
 
     @field_validator("prompts")
     @classmethod

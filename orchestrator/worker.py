@@ -21,6 +21,7 @@ import torch
 
 from orchestrator import environment
 from orchestrator.audio import integrity, write_wav
+from orchestrator.config import LengthPolicy
 from orchestrator.families import get_family
 from orchestrator.metrics import summarize
 from orchestrator.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
@@ -88,6 +89,7 @@ def run_job(job: JobSpec) -> ResultRecord:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 syn = family.synthesize(engines[name], prompt.text, seed, wl)
+                ttfa = _time_to_first_audio(family, engines[name], prompt.text, seed, wl)
             except Exception as exc:
                 results[name].status = "failed"
                 results[name].error = f"{prompt.id}/seed {seed}: {_describe(exc)}"
@@ -115,6 +117,7 @@ def run_job(job: JobSpec) -> ResultRecord:
                     audio_s=syn.audio.size / syn.sample_rate,
                     stop_reason=syn.stop_reason,  # type: ignore[arg-type]
                     audio_path=audio_path,
+                    time_to_first_audio_s=ttfa,
                     **integrity(syn.audio),
                 )
             )
@@ -155,6 +158,14 @@ def _warm_up(
             results[name].status = "failed"
             results[name].error = f"warm-up: {_describe(exc)}"
         results[name].warmup_s = time.perf_counter() - t0
+
+
+def _time_to_first_audio(family: Any, engine: Any, text: str, seed: int, wl: Any) -> float | None:
+    """A one-frame synthesis through the same code path: prefill, 8 tokens, codec."""
+    if not wl.measure_ttfa:
+        return None
+    one_frame = wl.model_copy(update={"length_policy": LengthPolicy(mode="fixed", frames=1)})
+    return family.synthesize(engine, text, seed, one_frame).latency_s
 
 
 def _describe(exc: BaseException) -> str:
