@@ -181,7 +181,8 @@ def _stack_measurements(sr: StackResult) -> dict[str, float]:
         out["peak_memory_bytes"] = float(sr.peak_memory_bytes)
     if sr.fidelity is not None:
         for key, value in sr.fidelity.model_dump().items():
-            out[f"fidelity.{key}"] = float(value)
+            if value is not None:  # noise floors exist for half precision only
+                out[f"fidelity.{key}"] = float(value)
     return out
 
 
