@@ -222,3 +222,97 @@ class Failure(Base):
 def columns(row: Base) -> dict[str, Any]:
     """A row's column values as a plain dict (no ORM state leaks to callers)."""
     return {c.key: getattr(row, c.key) for c in row.__table__.columns}
+
+
+# ---------------------------------------------------- research protocol (revision 0002)
+
+SCORE_STATUSES = ("ok", "coverage_failure")
+AUDIT_STATUSES = ("opened", "accept", "retain", "error")
+
+
+class ProtocolRow(Base):
+    """Every protocol version seen: (name, version) may never change content."""
+
+    __tablename__ = "protocols"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    protocol_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    protocol_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ScoreEntry(Base):
+    """One scorer's verdict on one saved recording, or why it could not be scored."""
+
+    __tablename__ = "scores"
+    __table_args__ = (
+        # The same scorer, version and weights give the same score: stored once.
+        UniqueConstraint("utterance_id", "scorer", "scorer_version", "weights_id"),
+        CheckConstraint(one_of("status", SCORE_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    utterance_id: Mapped[int] = mapped_column(
+        ForeignKey("utterances.id", ondelete="CASCADE"), index=True
+    )
+    scorer: Mapped[str] = mapped_column(String(64))
+    scorer_version: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[str] = mapped_column(String(16))
+    reference: Mapped[bool] = mapped_column(Boolean)
+    weights_id: Mapped[str] = mapped_column(String(80))
+    status: Mapped[str] = mapped_column(String(24))
+    values_json: Mapped[str] = mapped_column(Text)
+    details_json: Mapped[str] = mapped_column(Text)
+    resample_json: Mapped[str | None] = mapped_column(Text)
+    packages_json: Mapped[str] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(255))
+
+
+class HoldoutAudit(Base):
+    """Every time sealed holdout prompts were opened: for which stack, and what came of it."""
+
+    __tablename__ = "holdout_audit"
+    __table_args__ = (CheckConstraint(one_of("status", AUDIT_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    opened_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    workload_name: Mapped[str] = mapped_column(String(128), index=True)
+    holdout_hash: Mapped[str] = mapped_column(String(64))
+    stack_name: Mapped[str] = mapped_column(String(128))
+    stack_hash: Mapped[str] = mapped_column(String(64))
+    # Technique names in order: a re-tuned stack keeps its lineage while its hash changes.
+    lineage: Mapped[str] = mapped_column(Text)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    flagged: Mapped[bool] = mapped_column(Boolean)
+    flags_json: Mapped[str] = mapped_column(Text)
+    detail_json: Mapped[str] = mapped_column(Text)
+
+
+class Champion(Base):
+    """An accepted stack: the champion for (family, model, workload, hardware) from then on
+    (the newest row of a key is the current one; older rows are its history)."""
+
+    __tablename__ = "champions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    family: Mapped[str] = mapped_column(String(32), index=True)
+    model: Mapped[str] = mapped_column(String(255))
+    workload_name: Mapped[str] = mapped_column(String(128))
+    hardware: Mapped[str] = mapped_column(String(255))
+    stack_name: Mapped[str] = mapped_column(String(128))
+    stack_hash: Mapped[str] = mapped_column(String(64))
+    spec_json: Mapped[str] = mapped_column(Text)
+    decision_id: Mapped[int | None] = mapped_column(ForeignKey("decisions.id", ondelete="SET NULL"))
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+    speedup: Mapped[float] = mapped_column(Float)
+    mlflow_model: Mapped[str | None] = mapped_column(String(255))

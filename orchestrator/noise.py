@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import ModelSpec, Protocol, StackSpec, Workload
 from orchestrator.decide import SpeedCheck, speed_check
-from orchestrator.protocol import Gate, bumped, phase_workload
+from orchestrator.protocol import Gate, bumped, phase_workload, require_same
 from orchestrator.records import ResultRecord
 
 if TYPE_CHECKING:
@@ -121,6 +121,8 @@ def analyse(
     """Spread of every metric over A/A repeats (stored results and their scores)."""
     if len(results) < 2:
         raise NoiseError(f"noise needs at least 2 repeats to see a spread, got {len(results)}")
+    hashes = zip(run_ids, (r.job.protocol.content_hash() for r in results), strict=True)
+    require_same({f"run {run}": digest for run, digest in hashes})
     stack = results[0].job.baseline.name
     aa_checks = []
     for res in results:

@@ -27,6 +27,7 @@ from rich.table import Table
 from orchestrator import protocol as proto
 from orchestrator.config import (
     CONFIG_DIR,
+    REPO_ROOT,
     ConfigError,
     ModelSpec,
     Protocol,
@@ -59,6 +60,9 @@ WorkloadOpt = Annotated[
     str, typer.Option(help="Development workload name (configs/workloads/) or YAML path.")
 ]
 RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")]
+# Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
+# `reports` package for every later command run from there (editable installs).
+REPORTS_DIR = REPO_ROOT / "reports"
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -111,6 +115,7 @@ def noise(
 ) -> None:
     """Measure run-to-run noise of every metric and write gates into a new protocol version."""
     from orchestrator import noise as noise_mod
+    from orchestrator.scoring import ScoringError
 
     try:
         current = load_protocol(protocol)
@@ -136,7 +141,7 @@ def noise(
         target = out or _protocol_file(protocol)
         proto.write(new, target)
         proto.register(store, new)
-    except (noise_mod.NoiseError, proto.ProtocolError, StackError) as exc:
+    except (noise_mod.NoiseError, proto.ProtocolError, StackError, ScoringError) as exc:
         _fail(str(exc), 1)
     summary = {
         "runs": analysis.runs,
@@ -301,6 +306,11 @@ def run_gate(
     stacks = [stock, *([champ_spec] if champ_spec else []), candidate]
     against = champ_spec.name if champ_spec else stock.name
     report: dict[str, Any] = {
+        # The champion is re-measured in the same jobs, so its standing under an older
+        # protocol version is never compared with numbers measured under this one.
+        "champion": None
+        if champ is None
+        else {"stack": champ["stack_name"], "accepted_under": champ["protocol_hash"]},
         "candidate": candidate.name,
         "against": against,
         "hardware": hardware,
@@ -445,6 +455,7 @@ def gate(
     """Phase gate: fresh remeasure, then the sealed holdout; accept (champion) or retain."""
     from orchestrator.holdout import HoldoutError
     from orchestrator.runner import Interrupted
+    from orchestrator.scoring import ScoringError
 
     try:
         current = load_protocol(protocol)
@@ -467,6 +478,8 @@ def gate(
         )
     except (proto.ProtocolError, HoldoutError, StackError) as exc:
         _fail(str(exc))
+    except ScoringError as exc:  # a scorer of the protocol cannot load here
+        _fail(f"scoring failed: {exc}", 1)
     except (KeyboardInterrupt, Interrupted) as exc:
         _fail(f"interrupted; runs are marked INTERRUPTED and the holdout audit closed ({exc})", 130)
     if as_json:
@@ -494,8 +507,8 @@ def ledger(
     cause: Annotated[str | None, typer.Option(help="Only this cause (slower, gate, ...).")] = None,
     stack: Annotated[str | None, typer.Option(help="Only this stack.")] = None,
     limit: int = 1000,
-    out: Annotated[Path, typer.Option(help="Markdown ledger (always the full ledger).")] = Path(
-        "reports/ledger.md"
+    out: Annotated[Path, typer.Option(help="Markdown ledger (always the full ledger).")] = (
+        REPORTS_DIR / "ledger.md"
     ),
     write: Annotated[bool, typer.Option(help="Write the markdown ledger.")] = True,
     db: DbOpt = None,
@@ -584,7 +597,7 @@ def figures(
     run: Annotated[
         str | None, typer.Option(help="Run for the quality screen (default: latest holdout).")
     ] = None,
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("reports/figures"),
+    out: Annotated[Path, typer.Option(help="Output folder.")] = REPORTS_DIR / "figures",
     protocol: ProtocolOpt = "protocol",
     db: DbOpt = None,
     as_json: JsonOpt = False,

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -127,10 +128,8 @@ def score_result(
 
     `skip` holds (stack, utterance, scorer, version, weights_id) keys already scored.
     """
-    from orchestrator.scoring import create_scorers
-
     names = protocol.quality.scorers
-    loaded = list(scorers) if scorers is not None else create_scorers(list(names.values()))
+    loaded = list(scorers) if scorers is not None else load_scorers(tuple(names.values()))
     for scorer in loaded:
         scorer.load()  # ScorerUnavailable here is the environment's fault: stop, loudly
     cache: dict[Path, tuple[np.ndarray, int] | str] = {}
@@ -149,6 +148,15 @@ def score_result(
         created_at=utcnow(),
         rows=rows,
     )
+
+
+@cache
+def load_scorers(names: tuple[str, ...]) -> list[Scorer]:
+    """Loaded scorers, once per process: loading Whisper, DNSMOS and the speaker encoder
+    costs seconds, and noise scores several runs in one command."""
+    from orchestrator.scoring import create_scorers
+
+    return [scorer.load() for scorer in create_scorers(list(names))]
 
 
 def _read(path: Path, cache: dict[Path, Any]) -> tuple[np.ndarray, int] | str:
@@ -329,12 +337,10 @@ def score_run(
     store: Store, run_id: str, protocol: Protocol, audio_dir: Path | None = None
 ) -> tuple[ScoreSheet, int]:
     """Score a stored run here (what is already stored is not scored again)."""
-    from orchestrator.scoring import create_scorers
-
     result = store.get_result(run_id)
     run = store.get_run(run_id, utterances=False)
     root = audio_dir or audio_root(result, run.get("result_path"))
-    scorers = [sc.load() for sc in create_scorers(list(protocol.quality.scorers.values()))]
+    scorers = load_scorers(tuple(protocol.quality.scorers.values()))
     done = {
         (r.stack, r.utterance, r.scorer, r.scorer_version, r.weights_id)
         for r in load_rows(store, run["id"])

@@ -147,13 +147,19 @@ def run_job(job: JobSpec) -> ResultRecord:
 def _warm_up(
     family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any
 ) -> None:
-    """Warm-ups are outside the timer: first-call compilation, graph capture, allocator."""
+    """Warm-ups are outside the timer: first-call compilation, graph capture, allocator.
+
+    Longest clip first: a sequence length first reached inside the timed rounds costs
+    whichever stack gets there first (new shapes, cache growth), which would bias the
+    comparison toward the others.
+    """
+    longest = sorted(wl.prompts, key=lambda p: -(wl.length_policy.frames_for(p.text) or 0))
     for name, engine in engines.items():
         emit("status", message=f"warming up {name} ({wl.warmups}x)")
         t0 = time.perf_counter()
         try:
             for i in range(wl.warmups):
-                family.synthesize(engine, wl.prompts[i % len(wl.prompts)].text, wl.seeds[0], wl)
+                family.synthesize(engine, longest[i % len(longest)].text, wl.seeds[0], wl)
         except Exception as exc:
             results[name].status = "failed"
             results[name].error = f"warm-up: {_describe(exc)}"

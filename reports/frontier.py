@@ -1,0 +1,248 @@
+"""Speed frontier and speed-versus-quality Pareto set, from stored records only.
+
+Every stack measured against stock on one workload (development ladder, remeasure and
+holdout runs; not noise runs), under one protocol version, on one model and hardware, is an
+experiment point in time order. A point is:
+- 'pass': its run's scores hold every protocol gate (and coverage), or, unscored, the stack
+  is exact and inside fidelity tolerance (its outputs are stock's by construction);
+- 'alert': a gate or coverage fails on its scores, an exact stack left fidelity tolerance,
+  the stack failed a phase gate on quality, or it was flagged for holdout reuse;
+- 'unverified': approximate and unscored: its speed says nothing about its quality yet.
+The frontier is the cumulative best speedup over 'pass' points only; the rest are drawn
+apart, like the hollow point of a research write-up's Figure 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from orchestrator.config import ModelSpec, Protocol
+from orchestrator.decide import (
+    check_coverage,
+    check_gates,
+    hardware_key,
+    list_decisions,
+    model_key,
+)
+from orchestrator.holdout import list_audits
+from orchestrator.noise import AA_SUFFIX
+from orchestrator.protocol import ProtocolError, split_phase
+from orchestrator.scoring_run import load_rows, stack_quality
+
+if TYPE_CHECKING:
+    from orchestrator.store import Store
+
+Status = Literal["pass", "alert", "unverified"]
+
+
+@dataclass
+class Point:
+    index: int
+    run_id: str
+    started_at: datetime
+    phase: str
+    stack: str
+    spec_hash: str
+    speedup: float
+    exact: bool
+    status: Status
+    reasons: list[str]
+    deltas: dict[str, float] = field(default_factory=dict)  # candidate - stock, if scored
+
+
+@dataclass
+class Frontier:
+    workload: str
+    model: str | None
+    hardware: str | None
+    protocol: str
+    points: list[Point]
+    frontier: list[dict[str, Any]]  # where the cumulative best unflagged speedup rises
+    pareto_metric: str
+    pareto: list[dict[str, Any]]
+    excluded: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _flagged_hashes(store: Store, workload: str) -> dict[str, list[str]]:
+    """spec hash -> why a phase gate or the holdout audit flagged that stack."""
+    why: dict[str, list[str]] = defaultdict(list)
+    for d in list_decisions(store, workload):
+        gate = d["reasons"].get("causes", {}).get("gate")
+        if d["verdict"] == "retain" and gate:
+            why[d["spec_hash"]].append(f"phase gate: {gate}")
+    for a in list_audits(store, workload):
+        if a["flagged"]:
+            why[a["stack_hash"]].append("holdout reuse: " + "; ".join(a["flags"]))
+    return why
+
+
+def collect(
+    store: Store,
+    protocol: Protocol,
+    workload: str,
+    model: ModelSpec | None = None,
+    hardware: str | None = None,
+    pareto_metric: str | None = None,
+    limit: int = 10_000,
+) -> Frontier:
+    digest = protocol.content_hash()
+    flagged = _flagged_hashes(store, workload)
+    excluded: dict[str, int] = defaultdict(int)
+    points: list[Point] = []
+    runs = []
+    for run in sorted(store.list_runs(limit=limit), key=lambda r: (r["started_at"], r["id"])):
+        base, phase = split_phase(run["workload_name"])
+        if base != workload or phase == "noise":
+            continue
+        if run["status"] not in ("FINISHED", "PARTIAL"):
+            excluded["run did not finish"] += 1
+        elif run["protocol_hash"] != digest:  # never compared silently across versions
+            excluded[f"protocol {run['protocol_hash']} (v{run['protocol_version']})"] += 1
+        else:
+            runs.append((run, phase))
+    # Unless given, the newest run in scope fixes model and hardware: one plot, one machine.
+    newest = store.get_result(runs[-1][0]["id"]) if runs else None
+    wanted_model = model_key(model) if model else newest and model_key(newest.job.model)
+    hardware = hardware or (newest and hardware_key(newest.environment))
+    for run, phase in runs:
+        result = store.get_result(run["id"])
+        if model_key(result.job.model) != wanted_model:
+            excluded[f"model {model_key(result.job.model)}"] += 1
+            continue
+        if (hw := hardware_key(result.environment)) != hardware:
+            excluded[f"hardware {hw}"] += 1
+            continue
+        if result.results[0].stack.techniques:
+            excluded["baseline is not stock"] += 1
+            continue
+        points += _points(store, run["id"], phase, result, protocol, flagged, len(points))
+    return _finish(
+        workload, wanted_model, hardware, protocol, points, pareto_metric, dict(excluded)
+    )
+
+
+def _points(
+    store: Store,
+    run_id: str,
+    phase: str,
+    result: Any,
+    protocol: Protocol,
+    flagged: dict[str, list[str]],
+    start: int,
+) -> list[Point]:
+    rows = load_rows(store, run_id)
+    quality = stack_quality(result, rows, protocol) if rows else None
+    stock = result.results[0]
+    out = []
+    for sr in result.results[1:]:
+        speedup = sr.metrics.get("speedup_vs_baseline")
+        if sr.stack.name.endswith(AA_SUFFIX) or sr.status in ("failed", "refused") or not speedup:
+            continue  # crashes live in the failure ledger, not on a speed plot
+        spec_hash = sr.stack.content_hash()
+        reasons = list(flagged.get(spec_hash, []))
+        deltas: dict[str, float] = {}
+        if quality is not None:
+            q_stock, q_cand = quality[stock.stack.name], quality[sr.stack.name]
+            deltas = {
+                m: q_cand.values[m] - q_stock.values[m]
+                for m in q_cand.values
+                if m in q_stock.values
+            }
+            checks = [*check_gates(q_stock, q_cand, protocol.quality)]
+            checks.append(check_coverage(q_stock, q_cand, protocol.quality))
+            reasons += [f"{c.metric}: {c.why}" for c in checks if not c.passed]
+        fid = sr.fidelity
+        if sr.exact and fid is not None and not fid.within_tolerance:
+            reasons.append("exact stack outside fidelity tolerance")
+        status: Status = "alert" if reasons else "pass"
+        if not reasons and not sr.exact and (quality is None or not protocol.quality.gates):
+            status, reasons = "unverified", ["approximate; quality not scored against gates"]
+        out.append(
+            Point(
+                start + len(out),
+                run_id,
+                result.started_at,
+                phase,
+                sr.stack.name,
+                spec_hash,
+                speedup,
+                sr.exact,
+                status,
+                reasons,
+                deltas,
+            )
+        )
+    return out
+
+
+def _finish(
+    workload: str,
+    model: str | None,
+    hardware: str | None,
+    protocol: Protocol,
+    points: list[Point],
+    pareto_metric: str | None,
+    excluded: dict[str, int],
+) -> Frontier:
+    steps, best = [], 1.0  # stock is where every frontier starts
+    for p in points:
+        if p.status == "pass" and p.speedup > best:
+            best = p.speedup
+            steps.append({"index": p.index, "speedup": p.speedup, "stack": p.stack})
+    defs = protocol.quality.metrics
+    if pareto_metric is not None and pareto_metric not in defs:
+        raise ProtocolError(f"unknown metric {pareto_metric!r}; defined: {sorted(defs)}")
+    metric = pareto_metric or next(
+        (m for m in protocol.quality.noise_gated if any(m in p.deltas for p in points)),
+        "wer" if "wer" in defs else next(iter(defs)),
+    )
+    lower = defs[metric].better == "lower"
+    return Frontier(
+        workload,
+        model,
+        hardware,
+        f"{protocol.name} v{protocol.version} ({protocol.content_hash()})",
+        points,
+        steps,
+        metric,
+        pareto(points, metric, lower),
+        excluded,
+    )
+
+
+def pareto(points: list[Point], metric: str, lower_is_better: bool) -> list[dict[str, Any]]:
+    """Stacks (latest scored point each, plus stock at 1x, Δ 0) that no other stack beats
+    on both speedup and the quality delta of `metric`."""
+    latest: dict[str, Point] = {}
+    for p in points:
+        if metric in p.deltas:
+            latest[p.spec_hash] = p
+    cands = [{"stack": "stock", "speedup": 1.0, "delta": 0.0, "status": "pass", "index": None}]
+    cands += [
+        {
+            "stack": p.stack,
+            "speedup": p.speedup,
+            "delta": p.deltas[metric],
+            "status": p.status,
+            "index": p.index,
+        }
+        for p in latest.values()
+    ]
+    sign = 1.0 if lower_is_better else -1.0
+
+    def dominated(a: dict[str, Any]) -> bool:
+        return any(
+            b is not a
+            and b["speedup"] >= a["speedup"]
+            and sign * b["delta"] <= sign * a["delta"]
+            and (b["speedup"] > a["speedup"] or sign * b["delta"] < sign * a["delta"])
+            for b in cands
+        )
+
+    return sorted((c for c in cands if not dominated(c)), key=lambda c: c["speedup"])
