@@ -65,7 +65,6 @@ with _interpreter(not CUDA and IN_PROCESS):
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_while_testing() -> Iterator[None]:
     with _interpreter(not CUDA):
