@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from orchestrator.cli_common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
 from orchestrator.config import (
     EXPERIMENTS_DIR,
     SCHEMAS,
@@ -28,32 +26,6 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Experiment orchestration for TTS inference speed-ups.",
 )
-# Piped output (scripts, CI logs) gets a wide table instead of one cut to 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-DbOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db)."
-    ),
-]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(code)
-
-
-def _store(db: str | None) -> Any:
-    from orchestrator.store import Store
-
-    return Store(db)
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 @app.command()
@@ -119,21 +91,21 @@ def run(
             fidelity_steps=fidelity_steps,
         )
     except (ConfigError, StackError, ValueError) as exc:
-        _fail(str(exc))
-    store = _store(db)
+        fail(str(exc))
+    store = open_store(db)
     try:
         with _progress(quiet=as_json) as on_event:
             outcome = execute(job, store, runs_dir, track=mlflow, force=force, on_event=on_event)
     except (KeyboardInterrupt, Interrupted) as exc:
-        _fail(f"interrupted; the run is marked INTERRUPTED ({exc})", 130)
+        fail(f"interrupted; the run is marked INTERRUPTED ({exc})", 130)
     if outcome.reused:
         msg = f"identical experiment already recorded as run {outcome.run_id}; --force re-runs it"
-        _print_json({"run_id": outcome.run_id, "reused": True}) if as_json else console.print(msg)
+        print_json({"run_id": outcome.run_id, "reused": True}) if as_json else console.print(msg)
         return
     if outcome.error:
-        _fail(f"run {outcome.run_id} failed: {outcome.error}", 1)
+        fail(f"run {outcome.run_id} failed: {outcome.error}", 1)
     if as_json:
-        _print_json(store.get_run(outcome.run_id))
+        print_json(store.get_run(outcome.run_id))
     else:
         _show(store.get_run(outcome.run_id))
     if outcome.status == "failed":
@@ -201,19 +173,19 @@ def ingest(
     from orchestrator.store import StoreError
 
     if not result.exists():
-        _fail(f"{result}: no such file")
-    store = _store(db)
+        fail(f"{result}: no such file")
+    store = open_store(db)
     try:
         outcome = do_ingest(result, store, track=mlflow)
     except ValidationError as exc:
-        _fail(
+        fail(
             f"{result}: not a valid result record: {exc.error_count()} problems, first: "
             f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
         )
     except (ValueError, StoreError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
-        _print_json(store.get_run(outcome.run_id))
+        print_json(store.get_run(outcome.run_id))
     else:
         _show(store.get_run(outcome.run_id))
 
@@ -239,7 +211,7 @@ def techniques(as_json: JsonOpt = False) -> None:
         for n, c in sorted(discover().items())
     ]
     if as_json:
-        return _print_json(rows)
+        return print_json(rows)
     table = Table(title="techniques")
     for col in ("name", "family", "exact", "slots", "requires", "after", "summary"):
         table.add_column(col)
@@ -279,7 +251,7 @@ def stacks(as_json: JsonOpt = False) -> None:
         except (ConfigError, StackError) as exc:
             rows.append({"name": path.stem, "valid": False, "error": str(exc)})
     if as_json:
-        return _print_json(rows)
+        return print_json(rows)
     table = Table(title="stacks (experiments/)")
     for col in ("name", "techniques", "exact", "description"):
         table.add_column(col)
@@ -299,9 +271,9 @@ def stacks(as_json: JsonOpt = False) -> None:
 @app.command()
 def runs(limit: int = 20, db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """Recent runs."""
-    rows = _store(db).list_runs(limit=limit)
+    rows = open_store(db).list_runs(limit=limit)
     if as_json:
-        return _print_json(rows)
+        return print_json(rows)
     table = Table(title="runs")
     for col in ("id", "status", "started", "model", "workload", "stacks", "error"):
         table.add_column(col)
@@ -326,10 +298,10 @@ def show(
 ) -> None:
     """Metrics of one run, each stack against the baseline."""
     try:
-        run_row = _store(db).get_run(run_id)
+        run_row = open_store(db).get_run(run_id)
     except (KeyError, LookupError, ValueError) as exc:
-        _fail(str(exc))
-    _print_json(run_row) if as_json else _show(run_row)
+        fail(str(exc))
+    print_json(run_row) if as_json else _show(run_row)
 
 
 def _show(run_row: dict[str, Any]) -> None:
@@ -359,9 +331,9 @@ def schema(
 ) -> None:
     """JSON schema of the config files (all of them without a name)."""
     if name and name not in SCHEMAS:
-        _fail(f"unknown schema {name!r}; known: {', '.join(sorted(SCHEMAS))}")
+        fail(f"unknown schema {name!r}; known: {', '.join(sorted(SCHEMAS))}")
     names = [name] if name else sorted(SCHEMAS)
-    _print_json({n: SCHEMAS[n].model_json_schema() for n in names})
+    print_json({n: SCHEMAS[n].model_json_schema() for n in names})
 
 
 from orchestrator import protocol_cli  # noqa: E402

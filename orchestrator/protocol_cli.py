@@ -15,24 +15,19 @@ __main__, and a second import of it would recurse into this one.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from orchestrator import gate as gate_pipeline
 from orchestrator import protocol as proto
+from orchestrator.cli_common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
 from orchestrator.config import (
     CONFIG_DIR,
     REPO_ROOT,
     ConfigError,
-    ModelSpec,
-    Protocol,
-    StackSpec,
-    Workload,
     load_model_spec,
     load_protocol,
     load_stack,
@@ -40,16 +35,6 @@ from orchestrator.config import (
 )
 from orchestrator.registry import StackError
 
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-DbOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db)."
-    ),
-]
 ProtocolOpt = Annotated[
     str, typer.Option("--protocol", help="Protocol name (configs/) or YAML path.")
 ]
@@ -63,21 +48,6 @@ RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are
 # Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
 # `reports` package for every later command run from there (editable installs).
 REPORTS_DIR = REPO_ROOT / "reports"
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(code)
-
-
-def _store(db: str | None) -> Any:
-    from orchestrator.store import Store
-
-    return Store(db)
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _protocol_file(name_or_path: str) -> Path:
@@ -122,8 +92,8 @@ def noise(
         spec = load_model_spec(model)
         dev, base = load_workload(workload), load_stack(stack)
     except (ConfigError, StackError) as exc:
-        _fail(str(exc))
-    store = _store(db)
+        fail(str(exc))
+    store = open_store(db)
     try:
         proto.register(store, current)
         analysis = noise_mod.measure(
@@ -142,7 +112,7 @@ def noise(
         proto.write(new, target)
         proto.register(store, new)
     except (noise_mod.NoiseError, proto.ProtocolError, StackError, ScoringError) as exc:
-        _fail(str(exc), 1)
+        fail(str(exc), 1)
     summary = {
         "runs": analysis.runs,
         "analysis": analysis.to_dict(),
@@ -156,7 +126,7 @@ def noise(
         "min_speedup": new.speed.min_speedup,
     }
     if as_json:
-        return _print_json(summary)
+        return print_json(summary)
     table = Table(title=f"noise: {analysis.stack} vs {analysis.stack}.aa, {repeats} repeats")
     for col in ("metric", "per repeat", "sd", "max Δ", "tolerance", "rule"):
         table.add_column(col)
@@ -209,9 +179,9 @@ def score(
     try:
         current = load_protocol(protocol)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if sum(x is not None for x in (run, result, ingest)) != 1:
-        _fail("give exactly one of: RUN, --result FILE (no database), --ingest SHEET")
+        fail("give exactly one of: RUN, --result FILE (no database), --ingest SHEET")
     try:
         if result is not None:  # a scoring worker: no database, writes a sheet
             rec = ResultRecord.read(result)
@@ -221,7 +191,7 @@ def score(
             target = out or result.with_name(f"scores-{rec.job.job_id}.json")
             sheet.write(target)
             return _report_sheet(sheet, as_json, f"wrote {target}")
-        store = _store(db)
+        store = open_store(db)
         proto.register(store, current)
         if ingest is not None:
             sheet = scoring_run.ScoreSheet.model_validate_json(ingest.read_text())
@@ -230,17 +200,17 @@ def score(
                 None,
             )
             if run_id is None:
-                _fail(f"no run of job {sheet.job_id} in the database; ingest its result first")
+                fail(f"no run of job {sheet.job_id} in the database; ingest its result first")
             added = scoring_run.store_sheet(store, run_id, sheet)
         else:
             sheet, added = scoring_run.score_run(store, run, current, audio_dir)  # type: ignore[arg-type]
             run_id = store.resolve(run)  # type: ignore[arg-type]
     except (ScoringError, StoreError, ValueError, LookupError, OSError) as exc:
-        _fail(str(exc), 1)
+        fail(str(exc), 1)
     rows = scoring_run.load_rows(store, run_id)
     quality = scoring_run.stack_quality(store.get_result(run_id), rows, current)
     if as_json:
-        return _print_json(
+        return print_json(
             {
                 "run_id": run_id,
                 "added": added,
@@ -252,7 +222,7 @@ def score(
 
 def _report_sheet(sheet: Any, as_json: bool, message: str) -> None:
     if as_json:
-        return _print_json(sheet.model_dump(mode="json"))
+        return print_json(sheet.model_dump(mode="json"))
     failures = sum(r.status != "ok" for r in sheet.rows)
     console.print(f"{message}: {len(sheet.rows)} scores, {failures} coverage failures")
 
@@ -271,167 +241,6 @@ def _quality_table(title: str, quality: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------- gate
-
-
-def run_gate(
-    store: Any,
-    *,
-    candidate: StackSpec,
-    model: ModelSpec,
-    dev: Workload,
-    protocol: Protocol,
-    runs_dir: Path,
-    track: bool,
-    allow_reuse: bool = False,
-    holdout_file: Path | None = None,
-    on_event: Any = None,
-) -> dict[str, Any]:
-    """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
-    only sanctioned reader), score it, and accept or retain. Returns the full evidence."""
-    from orchestrator import decide, holdout, scoring_run
-    from orchestrator.plan import plan_job
-    from orchestrator.runner import execute
-
-    proto.require_gates(protocol)
-    proto.register(store, protocol)
-    on_event = on_event or (lambda e: None)
-    stock = load_stack("stock")
-    if not candidate.techniques or candidate.content_hash() == stock.content_hash():
-        raise StackError("stock is the reference, not a candidate")
-    hardware, mkey = decide.local_hardware(model.device), decide.model_key(model)
-    champ = decide.current_champion(store, model.family, mkey, dev.name, hardware)
-    champ_spec = decide.champion_spec(champ) if champ else None
-    if champ_spec and champ_spec.content_hash() == candidate.content_hash():
-        raise StackError(f"{candidate.name} is already the champion for {dev.name} here")
-    stacks = [stock, *([champ_spec] if champ_spec else []), candidate]
-    against = champ_spec.name if champ_spec else stock.name
-    report: dict[str, Any] = {
-        # The champion is re-measured in the same jobs, so its standing under an older
-        # protocol version is never compared with numbers measured under this one.
-        "champion": None
-        if champ is None
-        else {"stack": champ["stack_name"], "accepted_under": champ["protocol_hash"]},
-        "candidate": candidate.name,
-        "against": against,
-        "hardware": hardware,
-        "model": mkey,
-        "workload": dev.name,
-        "protocol": proto.label(protocol),
-        "holdout_run": None,
-    }
-    keep = {"warmups": max(1, dev.warmups), "save_audio": len(dev.prompts) * len(dev.seeds)}
-    remeasure = Workload.model_validate(
-        dev.model_dump() | keep | {"name": proto.phase_workload(dev.name, "remeasure")}
-    )
-    on_event({"event": "status", "message": "fresh post-warm-up remeasure (dev prompts)"})
-    first = execute(
-        plan_job(model, remeasure, stacks, protocol, runs_dir),
-        store,
-        runs_dir,
-        track=track,
-        force=True,
-        on_event=on_event,
-    )
-    report["remeasure_run"] = first.run_id
-    if first.result is None:
-        report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
-        return report
-    by = {r.stack.name: r for r in first.result.results}
-    speedup = first.comparisons.get(candidate.name, {}).get("speedup_vs_baseline", 0.0)
-    checks = [
-        decide.speed_check(
-            "remeasure", by[against], by[candidate.name], protocol.speed, protocol.speed_metric
-        )
-    ]
-    if against != stock.name:
-        report["vs_stock"] = decide.speed_check(
-            "remeasure", by[stock.name], by[candidate.name], protocol.speed, protocol.speed_metric
-        ).reason()
-    common = {
-        "stack": candidate,
-        "protocol": protocol,
-        "family": model.family,
-        "model": mkey,
-        "workload": dev.name,
-        "hardware": hardware,
-        "speedup": speedup,
-    }
-    early = decide.judge(by[candidate.name], checks)
-    if early.verdict == "retain":  # broken or not faster: the holdout stays sealed
-        evidence = {"remeasure_run": first.run_id, "holdout": "not opened"}
-        report["record"] = decide.record(
-            store, run_id=first.run_id, verdict=early, evidence=evidence, **common
-        )
-        report["verdict"] = early.to_dict()
-        return report
-    with holdout.unseal("gate") as key:
-        held, held_hash = holdout.load_holdout(dev, key, holdout_file)
-        opened = holdout.open_audit(
-            store, key, dev.name, held_hash, candidate, protocol.content_hash()
-        )
-        report["holdout_flags"] = opened.flags
-        status, run_id = "error", None
-        try:
-            on_event({"event": "status", "message": "holdout gate (sealed prompts)"})
-            second = execute(
-                plan_job(model, held, stacks, protocol, runs_dir),
-                store,
-                runs_dir,
-                track=track,
-                force=True,
-                on_event=on_event,
-            )
-            run_id = report["holdout_run"] = second.run_id
-            if second.result is None:
-                report["verdict"] = {
-                    "verdict": "retain",
-                    "failure": "crash",
-                    "reasons": [second.error],
-                }
-                return report
-            on_event({"event": "status", "message": "scoring holdout recordings"})
-            scoring_run.score_run(store, second.run_id, protocol)
-            rows = scoring_run.load_rows(store, second.run_id)
-            quality = scoring_run.stack_quality(second.result, rows, protocol)
-            held_by = {r.stack.name: r for r in second.result.results}
-            checks.append(
-                decide.speed_check(
-                    "holdout",
-                    held_by[against],
-                    held_by[candidate.name],
-                    protocol.speed,
-                    protocol.speed_metric,
-                    judge_on="point",
-                    threshold=1.0,
-                )
-            )
-            q_stock, q_cand = quality[stock.name], quality[candidate.name]
-            gates = decide.check_gates(q_stock, q_cand, protocol.quality)
-            gates.append(decide.check_coverage(q_stock, q_cand, protocol.quality))
-            verdict = decide.judge(
-                held_by[candidate.name], checks, gates, opened.flags, allow_flagged=allow_reuse
-            )
-            stack_runs = {s["name"]: s["mlflow_run_id"] for s in store.get_run(run_id)["stacks"]}
-            evidence = {
-                "remeasure_run": first.run_id,
-                "holdout_run": run_id,
-                "holdout_hash": held_hash,
-            }
-            report["record"] = decide.record(
-                store,
-                run_id=run_id,
-                verdict=verdict,
-                evidence=evidence,
-                mlflow_stack_run=stack_runs.get(candidate.name) if track else None,
-                **common,
-            )
-            report["quality"] = {k: vars(v) for k, v in quality.items()}
-            report["verdict"] = verdict.to_dict()
-            status = verdict.verdict
-        finally:
-            detail = {"verdict": report.get("verdict", {}).get("verdict", "error")}
-            holdout.close_audit(store, opened.audit_id, status, run_id, detail)  # type: ignore[arg-type]
-    return report
 
 
 def gate(
@@ -461,10 +270,10 @@ def gate(
         current = load_protocol(protocol)
         spec, dev, cand = load_model_spec(model), load_workload(workload), load_stack(stack)
     except (ConfigError, StackError) as exc:
-        _fail(str(exc))
-    store = _store(db)
+        fail(str(exc))
+    store = open_store(db)
     try:
-        report = run_gate(
+        report = gate_pipeline.run_gate(
             store,
             candidate=cand,
             model=spec,
@@ -477,13 +286,13 @@ def gate(
             on_event=_events(as_json),
         )
     except (proto.ProtocolError, HoldoutError, StackError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except ScoringError as exc:  # a scorer of the protocol cannot load here
-        _fail(f"scoring failed: {exc}", 1)
+        fail(f"scoring failed: {exc}", 1)
     except (KeyboardInterrupt, Interrupted) as exc:
-        _fail(f"interrupted; runs are marked INTERRUPTED and the holdout audit closed ({exc})", 130)
+        fail(f"interrupted; runs are marked INTERRUPTED and the holdout audit closed ({exc})", 130)
     if as_json:
-        return _print_json(report)
+        return print_json(report)
     v = report.get("verdict", {})
     color = "green" if v.get("verdict") == "accept" else "yellow"
     console.print(
@@ -517,12 +326,12 @@ def ledger(
     """Failure ledger: every rejected or failed stack with its cause."""
     from reports import ledger as ledger_mod
 
-    store = _store(db)
+    store = open_store(db)
     rows = ledger_mod.entries(store, cause=cause, stack=stack, limit=limit)
     if write:
         ledger_mod.write(store, out)
     if as_json:
-        return _print_json(rows)
+        return print_json(rows)
     table = Table(title="failure ledger" + (f" (written to {out})" if write else ""))
     for col in ("when", "stack", "cause", "workload", "protocol", "detail"):
         table.add_column(col)
@@ -556,11 +365,11 @@ def frontier(
         current = load_protocol(protocol)
         spec = load_model_spec(model) if model else None
         name = load_workload(workload).name
-        data = collect(_store(db), current, name, spec, hardware, metric)
+        data = collect(open_store(db), current, name, spec, hardware, metric)
     except (ConfigError, proto.ProtocolError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
-        return _print_json(data.to_dict())
+        return print_json(data.to_dict())
     table = Table(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
     for col in ("#", "phase", "stack", "speedup", "status", "why"):
         table.add_column(col)
@@ -609,14 +418,14 @@ def figures(
         current = load_protocol(protocol)
         spec = load_model_spec(model) if model else None
         name = load_workload(workload).name
-        store = _store(db)
+        store = open_store(db)
         manifest = render_all(
             store, current, name, out, spec, hardware, store.resolve(run) if run else None
         )
     except (ConfigError, proto.ProtocolError, LookupError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
-        return _print_json(manifest)
+        return print_json(manifest)
     for fig in manifest["figures"]:
         console.print(f"wrote {out / fig}")
     for fig, why in manifest["skipped"].items():

@@ -147,7 +147,7 @@ def test_holdout_cannot_be_read_outside_the_gate() -> None:
     for reason in ("gate", "tuning"):  # the right word from the wrong caller is not enough
         with pytest.raises(holdout.HoldoutSealed, match="test_protocol"), holdout.unseal(reason):
             pass
-    forged = holdout.HoldoutKey("gate", "orchestrator.protocol_cli.run_gate")
+    forged = holdout.HoldoutKey("gate", "orchestrator.gate.run_gate")
     with pytest.raises(holdout.HoldoutSealed):
         holdout.load_holdout(DEV, forged)
     # the holdout file is not a workload: `orchestrate run --workload` refuses it
