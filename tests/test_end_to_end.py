@@ -153,22 +153,13 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the worker")
-def test_worker_killed_marks_run_failed(env, tmp_path):
+def _start_slow_run(env: dict, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """`orchestrate run` on a long workload; returns it and its worker's pid once started."""
     slow = WORKLOAD.replace("frames: 4", "frames: 400").replace("warmups: 1", "warmups: 50")
     (tmp_path / "slow.yaml").write_text(slow)
+    args = ["run", "--stack", "cpu-fast", "--workload", str(tmp_path / "slow.yaml"), "--no-mlflow"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "run",
-            "--stack",
-            "cpu-fast",
-            "--workload",
-            str(tmp_path / "slow.yaml"),
-            "--no-mlflow",
-        ],
+        [sys.executable, "-m", "orchestrator.cli", *args],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -176,13 +167,19 @@ def test_worker_killed_marks_run_failed(env, tmp_path):
         text=True,
     )
     deadline = time.time() + 120
-    worker = []
-    while time.time() < deadline and not worker:
-        worker = _children(proc.pid)
+    while time.time() < deadline:
+        if kids := _children(proc.pid):
+            time.sleep(3)  # let it get into model building / warm-up
+            return proc, kids[0]
         time.sleep(0.2)
-    assert worker, "worker process never started"
-    time.sleep(3)  # let it get into model building / warm-up
-    os.kill(worker[0], signal.SIGKILL)
+    proc.kill()
+    raise AssertionError("worker process never started")
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the worker")
+def test_worker_killed_marks_run_failed(env, tmp_path):
+    proc, worker = _start_slow_run(env, tmp_path)
+    os.kill(worker, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "SIGKILL" in stderr
@@ -195,30 +192,7 @@ def test_worker_killed_marks_run_failed(env, tmp_path):
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc")
 def test_orchestrator_terminated_marks_run_interrupted(env, tmp_path):
-    slow = WORKLOAD.replace("frames: 4", "frames: 400").replace("warmups: 1", "warmups: 50")
-    (tmp_path / "slow.yaml").write_text(slow)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "run",
-            "--stack",
-            "cpu-fast",
-            "--workload",
-            str(tmp_path / "slow.yaml"),
-            "--no-mlflow",
-        ],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not _children(proc.pid):
-        time.sleep(0.2)
-    time.sleep(2)
+    proc, _ = _start_slow_run(env, tmp_path)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 130
