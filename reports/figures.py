@@ -81,6 +81,10 @@ def frontier_figure(data: Frontier, path: Path) -> Path:
     ):
         ax.scatter([], [], label=label, **kw)
     ax.set_xlabel("experiment (time order; o dev, □ remeasure, ◇ holdout)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # experiments are counted
+    ax.set_xlim(-0.5, max(len(data.points) - 0.5, 4.5))
     ax.set_ylabel("speedup vs stock (RTF ratio)")
     ax.set_title(
         f"Speed frontier · {data.workload} · {data.hardware}\nprotocol {data.protocol}", fontsize=10
