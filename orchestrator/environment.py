@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import statistics
 import subprocess
+import time
 from importlib import metadata
 
 import torch
@@ -69,6 +71,27 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def copy_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
+    """Median bandwidth of a large device-local copy, counting bytes read plus written.
+
+    Sized far past the caches (1 GiB on a GPU, 256 MiB in host memory).
+    """
+    dev = torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+    nbytes = (1 << 30) if dev.type == "cuda" else (1 << 28)
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=dev).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):  # the first copy warms up allocator and caches
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+
+
 def capture(device: str, model_config_hash: str) -> EnvironmentInfo:
     """Read once per job, after warm-up, so the clocks are the ones the timing ran at."""
     cuda = device == "cuda" and torch.cuda.is_available()
@@ -88,6 +111,7 @@ def capture(device: str, model_config_hash: str) -> EnvironmentInfo:
         mem_clock_mhz=smi.get("mem"),  # type: ignore[arg-type]
         power_w=smi.get("power"),  # type: ignore[arg-type]
         gpu_count=torch.cuda.device_count() if cuda else 0,
+        copy_gb_s=copy_bandwidth_gb_s(device),
         cpu_count=os.cpu_count() or 1,
         git_sha=sha,
         git_dirty=dirty,

@@ -84,6 +84,9 @@ class EnvironmentInfo(Record):
     mem_clock_mhz: float | None = None
     power_w: float | None = None
     gpu_count: int = 0
+    copy_gb_s: float | None = Field(
+        None, description="Measured copy bandwidth (bytes read + written): the floor's ceiling."
+    )
     cpu_count: int
     git_sha: str | None = None
     git_dirty: bool | None = None

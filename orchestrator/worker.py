@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -124,8 +125,11 @@ def run_job(job: JobSpec) -> ResultRecord:
             done += 1
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
 
-    for res in results.values():
+    env = environment.capture(job.model.device, family.config_hash(model))
+    for name, res in results.items():
         res.metrics = summarize(res.utterances)
+        if name in engines:
+            res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
     statuses = {r.status for r in results.values()}
     status = (
         "finished"
@@ -139,7 +143,7 @@ def run_job(job: JobSpec) -> ResultRecord:
         status=status,
         started_at=started,
         finished_at=utcnow(),
-        environment=environment.capture(job.model.device, family.config_hash(model)),
+        environment=env,
         results=[results[s.name] for s in job.stacks],
     )
 
@@ -164,6 +168,28 @@ def _warm_up(
             results[name].status = "failed"
             results[name].error = f"warm-up: {_describe(exc)}"
         results[name].warmup_s = time.perf_counter() - t0
+
+
+def _floor_metrics(
+    family: Any, engine: Any, res: StackResult, copy_gb_s: float | None
+) -> dict[str, float]:
+    """Achieved bandwidth and fraction of the physical floor, per generated token.
+
+    ms_per_token is LM time over tokens (prefill, sampling and host work included), so the
+    fraction says how far the whole token loop is from moving its bytes at copy speed.
+    """
+    if not res.utterances or "ms_per_token" not in res.metrics:
+        return {}
+    context = statistics.mean(u.prompt_tokens + u.new_tokens / 2 for u in res.utterances)
+    nbytes = family.step_bytes(engine, context)
+    if not nbytes:
+        return {}
+    seconds = res.metrics["ms_per_token"] / 1e3
+    out = {"gb_per_step": nbytes / 1e9, "achieved_gb_s": nbytes / 1e9 / seconds}
+    if copy_gb_s:
+        out["floor_ms_per_token"] = nbytes / (copy_gb_s * 1e9) * 1e3
+        out["fraction_of_floor"] = out["floor_ms_per_token"] / res.metrics["ms_per_token"]
+    return out
 
 
 def _time_to_first_audio(family: Any, engine: Any, text: str, seed: int, wl: Any) -> float | None:

@@ -13,6 +13,8 @@ COLUMNS = [
     ("audio_s_per_compute_s", "audio s/s", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("ms_per_token", "ms/tok", "{:.2f}"),
+    ("achieved_gb_s", "GB/s", "{:.0f}"),
+    ("fraction_of_floor", "of floor", "{:.0%}"),
     ("speedup_vs_baseline", "speedup", "{:.2f}x"),
 ]
 

@@ -155,3 +155,27 @@ def test_synthesize_times_whole_clip(tiny_model):
         FAMILY.synthesize(
             stock_engine(tiny_model), "Hi.", 1, wl.model_copy(update={"voice": "Bob"})
         )
+
+
+def test_step_bytes_at_real_shape_match_the_counted_floor():
+    """On the meta device (no memory): 3,381,533,697 parameters; one bf16 step with the
+    full head at ~1,124 positions reads 6.85 GB, as counted by hand in the project notes."""
+    from transformers import Cohere2ForCausalLM
+
+    from orchestrator.families.rumik.model import RumikModel, StopHead, _lm_config
+    from orchestrator.families.rumik.presets import RUMIK_OSS_1 as P
+    from orchestrator.families.rumik.vocab import ByteTokenizer
+
+    with torch.device("meta"):
+        lm = Cohere2ForCausalLM(_lm_config(P)).to(torch.bfloat16)
+        stop = StopHead(2048, P.stop_hidden).to(torch.bfloat16)
+    model = RumikModel(lm, stop, None, P.vocab, ByteTokenizer(P.vocab), P.voices, P.name, True)
+    n_params = sum(p.numel() for p in (*lm.parameters(), *stop.parameters()))
+    assert n_params == 3_381_533_697
+    full = FAMILY.step_bytes(stock_engine(model), 1124)
+    assert full == pytest.approx(6.846e9, rel=1e-3)
+    audio = FAMILY.build_engine(
+        model, build_stack(StackSpec(name="a", techniques=[TechniqueRef(name="audio_head")]))
+    )
+    # the head shrinks from 277,404 to 16,385 rows of 2,048 bf16 values
+    assert full - FAMILY.step_bytes(audio, 1124) == (277_404 - 16_385) * 2048 * 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from orchestrator.families.rumik.engine import Engine, HeadLogits
+from orchestrator.families.rumik.engine import Engine, HeadLogits, tensor_bytes
 from orchestrator.technique import Technique
 
 
@@ -32,4 +32,5 @@ class AudioHead(Technique):
         def head(hidden, step: int) -> HeadLogits:
             return HeadLogits((F.linear(hidden, weight) * scale).float(), ids, end, units)
 
+        head.bytes_per_step = tensor_bytes(weight)  # type: ignore[attr-defined]
         engine.head = head

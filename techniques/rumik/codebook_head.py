@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from orchestrator.families.rumik.engine import Engine, HeadLogits
+from orchestrator.families.rumik.engine import Engine, HeadLogits, tensor_bytes
 from orchestrator.technique import Technique
 
 
@@ -41,4 +41,5 @@ class CodebookHead(Technique):
                 w, cols = weight[q], ids[q]
             return HeadLogits((F.linear(hidden, w) * scale).float(), cols, end, units)
 
+        head.bytes_per_step = tensor_bytes(weight[0])  # type: ignore[attr-defined]
         engine.head = head

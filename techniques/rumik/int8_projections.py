@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine
+from orchestrator.families.rumik.engine import Engine, tensor_bytes
 from orchestrator.technique import Technique, TechniqueParams
 
 MAX_GEMV_ROWS = 4
@@ -63,6 +63,9 @@ class Int8Packed:
         else:
             y = F.linear(rows, dequantize_int8(*qs).to(x.dtype))
         return y.view(*x.shape[:-1], -1)
+
+    def weight_bytes(self) -> int:
+        return tensor_bytes(*(t for pair in self.w_in + self.w_out for t in pair))
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine
+from orchestrator.families.rumik.engine import Engine, tensor_bytes
 from orchestrator.technique import Technique, TechniqueParams
 
 
@@ -45,6 +45,9 @@ class Packed:
             m.gate_proj.out_features,
             m.up_proj.out_features,
         ]
+
+    def weight_bytes(self) -> int:
+        return tensor_bytes(*self.w_in, *self.w_out, *self.w_o, *self.w_down)
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(xn, self.w_in[i]).split(self.sizes, dim=-1))

@@ -169,6 +169,7 @@ def full_vocab_head(model: RumikModel) -> Head:
         logits = lm.lm_head(hidden) * lm.logit_scale
         return HeadLogits(logits.float(), None, vocab.end_id, units)
 
+    head.bytes_per_step = tensor_bytes(lm.lm_head.weight)  # type: ignore[attr-defined]
     return head
 
 
@@ -256,6 +257,13 @@ class SeparateProjections:
         a, m = self.layers[i]
         return a.q_proj(xn), a.k_proj(xn), a.v_proj(xn), m.gate_proj(xn), m.up_proj(xn)
 
+    def weight_bytes(self) -> int:
+        return sum(
+            tensor_bytes(lin.weight)
+            for a, m in self.layers
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        )
+
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
     ) -> torch.Tensor:
@@ -300,6 +308,10 @@ def stock_engine(model: RumikModel) -> Engine:
         sampler=stock_sampler,
         loop=host_loop,
     )
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

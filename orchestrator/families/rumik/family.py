@@ -10,7 +10,7 @@ import torch
 from orchestrator.config import ModelSpec, Workload
 from orchestrator.families import Synthesis
 from orchestrator.families.rumik import fidelity
-from orchestrator.families.rumik.engine import Engine, stock_engine
+from orchestrator.families.rumik.engine import Engine, stock_engine, tensor_bytes
 from orchestrator.families.rumik.model import RumikModel, build_model
 from orchestrator.families.rumik.vocab import build_prompt
 from orchestrator.records import FidelityRecord
@@ -40,6 +40,30 @@ class RumikFamily:
             for slot in (*technique.slots, *technique.wraps):
                 engine.filled[slot] = technique.name
         return engine
+
+    def step_bytes(self, engine: Engine, context: float) -> int | None:
+        """Fewest bytes one decode step must read: the weights this engine's projections and
+        head use, norms and stop head, and the K/V a length-aware attention reads at
+        `context` positions (sliding layers at most their window). None when a slot
+        filled by a plugin does not say what it reads."""
+        weights = getattr(engine.projections, "weight_bytes", None)
+        head = getattr(engine.head, "bytes_per_step", None)
+        if weights is None or head is None:
+            return None
+        lm, cfg = engine.model.lm, engine.model.config
+        layers = lm.model.layers
+        small = tensor_bytes(
+            *(layer.input_layernorm.weight for layer in layers),
+            lm.model.norm.weight,
+            *engine.model.stop_head.parameters(),
+        )
+        per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * lm.dtype.itemsize
+        kv = sum(
+            per_position
+            * (min(context, cfg.sliding_window) if t == "sliding_attention" else context)
+            for t in cfg.layer_types
+        )
+        return int(weights() + head + small + kv)
 
     @torch.inference_mode()
     def synthesize(self, engine: Engine, text: str, seed: int, workload: Workload) -> Synthesis:
