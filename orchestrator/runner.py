@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,16 +55,22 @@ def comparisons(result: ResultRecord) -> dict[str, dict[str, float]]:
 def spawn_worker(
     job_path: Path, result_path: Path, log_path: Path, on_event: Callable[[dict[str, Any]], None]
 ) -> int:
+    """Run the worker; its events go to `on_event` and, line by line, to events.jsonl
+    beside the job, so a run killed half-way still shows how far it got."""
     cmd = [sys.executable, "-m", "orchestrator.worker", str(job_path), "--out", str(result_path)]
-    with log_path.open("w") as log:
+    events_path = job_path.with_name("events.jsonl")
+    with log_path.open("w") as log, events_path.open("a", buffering=1) as events:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 try:
-                    on_event(json.loads(line))
+                    event = json.loads(line)
                 except json.JSONDecodeError:
                     log.write(line)  # stray prints from libraries
+                    continue
+                events.write(json.dumps({"t": time.time(), **event}) + "\n")
+                on_event(event)
             return proc.wait()
         except BaseException:
             proc.kill()

@@ -188,6 +188,10 @@ def test_worker_killed_marks_run_failed(env, tmp_path):
         assert row["status"] == "FAILED" and "SIGKILL" in row["error"]
         assert store.get_run(row["id"])["stacks"] == []  # no partial rows
         assert any(f["run_id"] == row["id"] for f in store.list_failures())
+    # what the worker said before it died is kept beside the job
+    (events,) = (tmp_path / "runs").glob("*/events.jsonl")
+    said = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert "status" in said
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc")
