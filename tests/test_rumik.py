@@ -151,6 +151,7 @@ def test_synthesize_times_whole_clip(tiny_model):
     assert syn.frames == 3 and syn.new_tokens == 24
     assert syn.audio.shape == (3 * 1920,) and syn.sample_rate == 24_000
     assert syn.latency_s >= syn.lm_s + syn.codec_s - 1e-6 and syn.codec_s > 0
+    assert 0 < syn.prefill_s < syn.lm_s  # prefill is timed inside the token loop
     with pytest.raises(ValueError, match="unknown voice 'Bob'"):
         FAMILY.synthesize(
             stock_engine(tiny_model), "Hi.", 1, wl.model_copy(update={"voice": "Bob"})

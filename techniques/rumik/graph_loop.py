@@ -10,11 +10,13 @@ past the end. Tokens still depend on previous tokens; only the checking moves of
 
 from __future__ import annotations
 
+import time
+
 import torch
 from pydantic import Field
 
 from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation
+from orchestrator.families.rumik.engine import Engine, Generation, timed_since
 from orchestrator.technique import Technique, TechniqueParams
 from techniques.rumik.cuda_graph import GraphedDecoder
 from techniques.rumik.static_kv_cache import StaticDecoder
@@ -102,7 +104,9 @@ def graph_loop(
         state = engine.notes["graph_loop_state"] = _Captured(engine, decoder, max(cap, 2048))
     engine.sampler.reset(generator.initial_seed())
 
+    t0 = time.perf_counter()
     hidden = state.graphed.prefill(torch.tensor([prompt_ids], device=model.device))
+    prefill_s = timed_since(t0, model.device)
     # Step 0 runs eagerly (it follows the prefill, not a previous step).
     first = engine.sampler(
         engine.head(hidden, 0),
@@ -120,7 +124,7 @@ def graph_loop(
         for _ in range(cap - 1):
             graph.replay()
         tokens = state.tokens[:cap].tolist()  # the one host sync of the utterance
-        return Generation(tokens, "length_policy")
+        return Generation(tokens, "length_policy", prefill_s)
 
     done, tokens = 1, [int(first.item())]
     while done < cap:
@@ -133,8 +137,8 @@ def graph_loop(
         if vocab.end_id in tokens:
             end = tokens.index(vocab.end_id)
             stopped = state.stops[end].item() > 0.5
-            return Generation(tokens[:end], "stop_head" if stopped else "end_token")
-    return Generation(tokens, "token_cap")
+            return Generation(tokens[:end], "stop_head" if stopped else "end_token", prefill_s)
+    return Generation(tokens, "token_cap", prefill_s)
 
 
 class GraphLoop(Technique):

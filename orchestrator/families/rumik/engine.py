@@ -15,6 +15,7 @@ and every technique is a diff against it. A technique replaces only the slots it
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -225,7 +226,9 @@ def host_loop(
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
     if reset := getattr(engine.sampler, "reset", None):  # samplers with device RNG state
         reset(generator.initial_seed())
+    t0 = time.perf_counter()
     hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
+    prefill_s = timed_since(t0, device)  # one sync per clip; the loop syncs every token anyway
     tokens: list[int] = []
     token = None
     for step in range(cap):
@@ -242,9 +245,9 @@ def host_loop(
         )
         token_id = int(token.item())
         if token_id == model.vocab.end_id:
-            return Generation(tokens, "stop_head" if force_end else "end_token")
+            return Generation(tokens, "stop_head" if force_end else "end_token", prefill_s)
         tokens.append(token_id)
-    return Generation(tokens, "token_cap" if frames is None else "length_policy")
+    return Generation(tokens, "token_cap" if frames is None else "length_policy", prefill_s)
 
 
 class SeparateProjections:
@@ -308,6 +311,13 @@ def stock_engine(model: RumikModel) -> Engine:
         sampler=stock_sampler,
         loop=host_loop,
     )
+
+
+def timed_since(t0: float, device: torch.device) -> float:
+    """Seconds since `t0` once the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
