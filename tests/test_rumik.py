@@ -180,3 +180,12 @@ def test_step_bytes_at_real_shape_match_the_counted_floor():
     )
     # the head shrinks from 277,404 to 16,385 rows of 2,048 bf16 values
     assert full - FAMILY.step_bytes(audio, 1124) == (277_404 - 16_385) * 2048 * 2
+
+
+@pytest.mark.slow
+def test_compiled_static_decoder_is_exact_on_cpu(tiny_model, sequence, stock_logits):
+    """torch.compile of the decode step (inductor on the CPU) computes stock's logits."""
+    eng = engine_for(tiny_model, ["static_kv_cache"], static_kv_cache={"compile": True})
+    other = fidelity.teacher_forced(eng, *sequence)
+    rec = fidelity.compare(stock_logits, other, 0.8, 30, torch.float32)
+    assert rec.within_tolerance, rec

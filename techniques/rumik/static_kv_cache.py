@@ -58,6 +58,11 @@ class StaticDecoder:
         self.pos = 0
         self._step = self._forward
         if compile_mode:
+            # The caches are written in place every step. Marked as static addresses (as
+            # transformers' StaticCache does), inductor's CUDA graphs may keep them instead
+            # of refusing the graph for "mutated inputs" (seen on the H200 without this).
+            torch._dynamo.mark_static_address(self.k)
+            torch._dynamo.mark_static_address(self.v)
             self._step = torch.compile(self._forward, mode=compile_mode, fullgraph=True)
 
     def reset(self) -> None:
