@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation, timed_since
+from orchestrator.families.rumik.engine import Engine, Generation, timed_since, token_budget
 from orchestrator.technique import Technique, TechniqueParams
 from techniques.rumik.cuda_graph import GraphedDecoder
 from techniques.rumik.static_kv_cache import StaticDecoder
@@ -91,11 +91,7 @@ def graph_loop(
 ) -> Generation:
     model, vocab = engine.model, engine.model.vocab
     params: GraphLoopParams = engine.notes["graph_loop"]
-    cap = (
-        sampling.max_new_tokens
-        if frames is None
-        else min(sampling.max_new_tokens, frames * vocab.num_quantizers)
-    )
+    cap = token_budget(sampling, frames, vocab.num_quantizers)
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
     if not isinstance(decoder, StaticDecoder):
         raise TypeError("graph_loop needs static_kv_cache's decoder (without cuda_graph)")

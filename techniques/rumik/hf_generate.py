@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation
+from orchestrator.families.rumik.engine import Engine, Generation, token_budget
 from orchestrator.technique import Technique
 
 
@@ -39,11 +39,7 @@ def hf_generate_loop(
     generator: torch.Generator,
 ) -> Generation:
     model, vocab = engine.model, engine.model.vocab
-    cap = (
-        sampling.max_new_tokens
-        if frames is None
-        else min(sampling.max_new_tokens, frames * vocab.num_quantizers)
-    )
+    cap = token_budget(sampling, frames, vocab.num_quantizers)
     torch.manual_seed(generator.initial_seed())  # generate() draws from the global RNG
     ids = torch.tensor([prompt_ids], device=model.device)
     processor = _AudioOnly(

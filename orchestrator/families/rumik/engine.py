@@ -204,6 +204,13 @@ def stock_sampler(
     return column if head.column_ids is None else head.column_ids[column]
 
 
+def token_budget(sampling: SamplingConfig, frames: int | None, per_frame: int) -> int:
+    """Tokens a loop may generate: the cap, or exactly the length policy's frames."""
+    if frames is None:
+        return sampling.max_new_tokens
+    return min(sampling.max_new_tokens, frames * per_frame)
+
+
 def host_loop(
     engine: Engine,
     prompt_ids: list[int],
@@ -218,11 +225,7 @@ def host_loop(
     """
     model = engine.model
     device = model.device
-    cap = (
-        sampling.max_new_tokens
-        if frames is None
-        else min(sampling.max_new_tokens, frames * model.vocab.num_quantizers)
-    )
+    cap = token_budget(sampling, frames, model.vocab.num_quantizers)
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
     if reset := getattr(engine.sampler, "reset", None):  # samplers with device RNG state
         reset(generator.initial_seed())
