@@ -189,3 +189,16 @@ def test_compiled_static_decoder_is_exact_on_cpu(tiny_model, sequence, stock_log
     other = fidelity.teacher_forced(eng, *sequence)
     rec = fidelity.compare(stock_logits, other, 0.8, 30, torch.float32)
     assert rec.within_tolerance, rec
+
+
+def test_baseline_b_generates_audio_units_only(tiny_model):
+    """transformers generate() with a static cache, restricted to the audio vocabulary."""
+    eng = engine_for(tiny_model, ["hf_generate_static"])
+    prompt = tiny_model.encode_prompt(build_prompt("Baseline B.", "Ira", None))
+    with torch.inference_mode():
+        gen = eng.loop(eng, prompt, 3, SamplingConfig(), torch.Generator().manual_seed(4))
+        again = eng.loop(eng, prompt, 3, SamplingConfig(), torch.Generator().manual_seed(4))
+    vocab = tiny_model.vocab
+    assert gen.stop_reason == "length_policy" and len(gen.tokens) == 24
+    assert all(vocab.first_unit_id <= t <= vocab.last_unit_id for t in gen.tokens)
+    assert gen.tokens == again.tokens  # seeded through the global RNG it draws from
