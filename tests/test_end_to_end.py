@@ -167,13 +167,13 @@ def _start_slow_run(env: dict, tmp_path: Path) -> tuple[subprocess.Popen, int]:
         text=True,
     )
     deadline = time.time() + 120
-    while time.time() < deadline:
-        if kids := _children(proc.pid):
-            time.sleep(3)  # let it get into model building / warm-up
+    while time.time() < deadline:  # until the worker has said something (it is working)
+        events = list((tmp_path / "runs").glob("*/events.jsonl"))
+        if events and events[0].read_text().strip() and (kids := _children(proc.pid)):
             return proc, kids[0]
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError("worker process never started")
+    raise AssertionError("worker never reported progress")
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the worker")
