@@ -316,7 +316,7 @@ def _show(run_row: dict[str, Any]) -> None:
         if s.get("error"):
             console.print(f"[red]{s['name']}: {s['error']}[/red]")
         fid = s.get("fidelity")
-        if (fid and s["position"] > 0) or (fid and s.get("applied")):
+        if fid and (s["position"] > 0 or s.get("applied")):  # stock vs itself says nothing
             verdict = "within tolerance" if fid["within_tolerance"] else "OUTSIDE tolerance"
             console.print(
                 f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "

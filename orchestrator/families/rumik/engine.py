@@ -316,10 +316,15 @@ def stock_engine(model: RumikModel) -> Engine:
     )
 
 
-def timed_since(t0: float, device: torch.device) -> float:
-    """Seconds since `t0` once the device has finished the work queued so far."""
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU, which runs eagerly)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_since(t0: float, device: torch.device) -> float:
+    """Seconds since `t0` once the device has finished the work queued so far."""
+    sync(device)
     return time.perf_counter() - t0
 
 

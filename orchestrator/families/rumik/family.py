@@ -10,18 +10,13 @@ import torch
 from orchestrator.config import ModelSpec, Workload
 from orchestrator.families import Synthesis
 from orchestrator.families.rumik import fidelity
-from orchestrator.families.rumik.engine import Engine, stock_engine, tensor_bytes
+from orchestrator.families.rumik.engine import Engine, stock_engine, sync, tensor_bytes
 from orchestrator.families.rumik.model import RumikModel, build_model
 from orchestrator.families.rumik.vocab import build_prompt
 from orchestrator.records import FidelityRecord
 from orchestrator.registry import BuiltStack
 
 SAMPLE_RATE = 24_000
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class RumikFamily:
@@ -74,11 +69,11 @@ class RumikFamily:
         frames = workload.length_policy.frames_for(text)
         generator = torch.Generator(device=model.device).manual_seed(seed)
         device = model.device
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
         gen = engine.loop(engine, prompt_ids, frames, workload.sampling, generator)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         codes = (
             model.vocab.tokens_to_codes(gen.tokens)
@@ -113,13 +108,13 @@ class RumikFamily:
         generator = torch.Generator(device=model.device).manual_seed(workload.seeds[0])
         s = workload.sampling
         with torch.inference_mode():
-            tokens = stock.loop(stock, prompt_ids, -(-steps // 8), s, generator).tokens[:steps]
+            frames = -(-steps // model.vocab.num_quantizers)  # enough frames for `steps` tokens
+            tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
         ref = fidelity.teacher_forced(stock, prompt_ids, tokens)
         ref32 = floor = None
         if model.dtype != torch.float32:
             ref32 = fidelity.teacher_forced(stock_engine(upcast(model)), prompt_ids, tokens)
             floor = fidelity.compare(ref32, ref, s.temperature, s.top_k, torch.float32)
-            torch.cuda.empty_cache() if model.device.type == "cuda" else None
         out = {}
         for name, eng in engines.items():
             other = fidelity.teacher_forced(eng, prompt_ids, tokens)

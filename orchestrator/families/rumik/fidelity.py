@@ -8,6 +8,8 @@ far they move the distribution.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from orchestrator.families.rumik.engine import Engine, HeadLogits
@@ -90,7 +92,7 @@ def judge_half(
     )
     return rec.model_copy(
         update={
-            "within_tolerance": bool(ok and rec.max_abs_logit_diff == rec.max_abs_logit_diff),
+            "within_tolerance": bool(ok and math.isfinite(rec.max_abs_logit_diff)),
             "tolerance": NOISE_FACTOR,
             "noise_floor_max_abs": floor.max_abs_logit_diff,
             "noise_floor_kl": floor.mean_kl,
