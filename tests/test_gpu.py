@@ -42,18 +42,16 @@ def case(request):
     gen = torch.Generator(device="cuda").manual_seed(11)
     with torch.inference_mode():
         tokens = eng.loop(eng, prompt, 12, SamplingConfig(), gen).tokens
-    ref = fidelity.teacher_forced(eng, prompt, tokens)
-    return model, prompt, tokens, ref
+    return model, prompt, fidelity.Reference.build(model, prompt, tokens, 0.8, 30)
 
 
 @pytest.mark.parametrize("name", list(STACKS))
 def test_exact_on_gpu(case, name):
-    model, prompt, tokens, ref = case
+    model, _, ref = case
     eng = build(model, STACKS[name])
     # twice: the second pass replays whatever the first compiled or captured
     for _ in range(2):
-        other = fidelity.teacher_forced(eng, prompt, tokens)
-        rec = fidelity.compare(ref, other, 0.8, 30, model.dtype)
+        rec = ref.judge(eng)
         assert rec.within_tolerance, (name, model.dtype, rec)
         assert rec.top1_agreement >= 0.95, rec
 
@@ -71,6 +69,20 @@ EXACT_128 = {
         ("cuda_graph", {}),
     ],
     "pdl": [("static_kv_cache", {}), ("decode_attention", {"pdl": True}), ("cuda_graph", {})],
+    "fused_rope_norm": [("static_kv_cache", {}), ("fused_rope_norm", {})],
+    "fused_rope_norm+packed": [
+        ("static_kv_cache", {}),
+        ("packed_projections", {}),
+        ("fused_rope_norm", {}),
+    ],
+    "fused_rope_norm+graph": [
+        ("static_kv_cache", {}),
+        ("packed_projections", {}),
+        ("decode_attention", {}),
+        ("audio_head", {}),
+        ("fused_rope_norm", {}),
+        ("cuda_graph", {}),
+    ],
 }
 
 
@@ -86,24 +98,22 @@ def case128():
             eng, prompt, 12, SamplingConfig(), torch.Generator(device="cuda").manual_seed(5)
         ).tokens
     assert len(prompt) + len(tokens) > model.config.sliding_window  # crosses the window
-    return model, prompt, tokens, fidelity.teacher_forced(eng, prompt, tokens)
+    return model, prompt, fidelity.Reference.build(model, prompt, tokens, 0.8, 30)
 
 
 @pytest.mark.parametrize("name", list(EXACT_128))
 def test_exact_triton_and_graph_techniques(case128, name):
-    model, prompt, tokens, ref = case128
+    model, _, ref = case128
     eng = build(model, EXACT_128[name])
     for _ in range(2):
-        rec = fidelity.compare(
-            ref, fidelity.teacher_forced(eng, prompt, tokens), 0.8, 30, model.dtype
-        )
+        rec = ref.judge(eng)
         assert rec.within_tolerance, (name, rec)
 
 
 def test_int8_is_close_but_not_exact(case128):
-    model, prompt, tokens, ref = case128
+    model, _, ref = case128
     eng = build(model, [("static_kv_cache", {}), ("int8_projections", {})])
-    rec = fidelity.compare(ref, fidelity.teacher_forced(eng, prompt, tokens), 0.8, 30, model.dtype)
+    rec = ref.judge(eng)
     assert rec.max_abs_logit_diff > 0  # it does change something
     assert rec.top1_agreement >= 0.8 and rec.mean_kl < 0.05, rec
 
@@ -116,7 +126,7 @@ def _generate(eng, prompt, frames, seed):
 
 
 def test_graph_loop_generates_valid_reproducible_tokens(case128):
-    model, prompt, _, _ = case128
+    model, prompt, _ = case128
     exp74 = [
         ("static_kv_cache", {}),
         ("int8_projections", {}),
@@ -146,10 +156,33 @@ def test_graph_loop_generates_valid_reproducible_tokens(case128):
 
 
 def test_device_sampler_stays_in_allowed_columns(case128):
-    model, prompt, _, _ = case128
+    model, prompt, _ = case128
     eng = build(model, [("audio_head", {}), ("device_sampler", {})])
     gen = _generate(eng, prompt, 4, seed=9)
     vocab = model.vocab
     assert len(gen.tokens) == 32
     assert all(vocab.first_unit_id <= t <= vocab.last_unit_id for t in gen.tokens)
     assert gen.tokens == _generate(eng, prompt, 4, seed=9).tokens
+
+
+def test_fused_rope_norm_composes_with_int8_and_graph_loop(case128):
+    """int8 + fused glue + graph capture: the int8 stack's logits, and valid generation."""
+    model, prompt, tokens, _ = case128
+    base = [("static_kv_cache", {}), ("int8_projections", {}), ("decode_attention", {})]
+    plain = fidelity.teacher_forced(build(model, base), prompt, tokens)
+    graphed = build(model, [*base, ("fused_rope_norm", {}), ("cuda_graph", {})])
+    for _ in range(2):
+        rec = fidelity.compare(
+            plain, fidelity.teacher_forced(graphed, prompt, tokens), 0.8, 30, model.dtype
+        )
+        assert rec.within_tolerance and rec.top1_agreement >= 0.95, rec
+    full = [
+        *base,
+        ("codebook_head", {}),
+        ("fused_rope_norm", {}),
+        ("device_sampler", {}),
+        ("graph_loop", {}),
+    ]
+    eng = build(model, full)
+    a, b = _generate(eng, prompt, 6, seed=42), _generate(eng, prompt, 6, seed=42)
+    assert a.stop_reason == "length_policy" and len(a.tokens) == 48 and a.tokens == b.tokens

@@ -110,29 +110,6 @@ class RumikFamily:
         with torch.inference_mode():
             frames = -(-steps // model.vocab.num_quantizers)  # enough frames for `steps` tokens
             tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
-        ref = fidelity.teacher_forced(stock, prompt_ids, tokens)
-        ref32 = floor = None
-        if model.dtype != torch.float32:
-            ref32 = fidelity.teacher_forced(stock_engine(upcast(model)), prompt_ids, tokens)
-            floor = fidelity.compare(ref32, ref, s.temperature, s.top_k, torch.float32)
-        out = {}
-        for name, eng in engines.items():
-            other = fidelity.teacher_forced(eng, prompt_ids, tokens)
-            rec = fidelity.compare(ref, other, s.temperature, s.top_k, model.dtype)
-            if ref32 is not None and floor is not None:
-                vs32 = fidelity.compare(ref32, other, s.temperature, s.top_k, torch.float32)
-                rec = fidelity.judge_half(rec, vs32, floor)
-            out[name] = rec
-        return out
+        ref = fidelity.Reference.build(model, prompt_ids, tokens, s.temperature, s.top_k)
+        return {name: ref.judge(eng) for name, eng in engines.items()}
 
-
-def upcast(model: RumikModel) -> RumikModel:
-    """The same (rounded) weights in fp32: the reference half-precision error is measured to."""
-    import copy
-    import dataclasses
-
-    return dataclasses.replace(
-        model,
-        lm=copy.deepcopy(model.lm).float(),
-        stop_head=copy.deepcopy(model.stop_head).float(),
-    )

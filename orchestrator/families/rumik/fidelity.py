@@ -8,11 +8,14 @@ far they move the distribution.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import torch
 
-from orchestrator.families.rumik.engine import Engine, HeadLogits
+from orchestrator.families.rumik.engine import Engine, HeadLogits, stock_engine
+from orchestrator.families.rumik.model import RumikModel
 from orchestrator.records import FidelityRecord
 
 # fp32: max |logit diff| over the std of stock's logits; only summation order differs.
@@ -98,3 +101,47 @@ def judge_half(
             "noise_floor_kl": floor.mean_kl,
         }
     )
+
+
+def upcast(model: RumikModel) -> RumikModel:
+    """The same (rounded) weights in fp32: the reference half-precision error is measured to."""
+    return dataclasses.replace(
+        model,
+        lm=copy.deepcopy(model.lm).float(),
+        stop_head=copy.deepcopy(model.stop_head).float(),
+    )
+
+
+@dataclasses.dataclass
+class Reference:
+    """Stock's teacher-forced logits on one token sequence, and how any engine is judged
+    against them: a fixed bar in fp32; in bf16/fp16 the noise floor of an fp32 upcast."""
+
+    prompt_ids: list[int]
+    tokens: list[int]
+    stock: torch.Tensor
+    fp32: torch.Tensor | None
+    floor: FidelityRecord | None
+    temperature: float
+    top_k: int
+    dtype: torch.dtype
+
+    @classmethod
+    def build(
+        cls, model: RumikModel, prompt_ids: list[int], tokens: list[int], temperature: float,
+        top_k: int,
+    ) -> Reference:  # fmt: skip
+        stock = teacher_forced(stock_engine(model), prompt_ids, tokens)
+        fp32 = floor = None
+        if model.dtype != torch.float32:
+            fp32 = teacher_forced(stock_engine(upcast(model)), prompt_ids, tokens)
+            floor = compare(fp32, stock, temperature, top_k, torch.float32)
+        return cls(prompt_ids, tokens, stock, fp32, floor, temperature, top_k, model.dtype)
+
+    def judge(self, engine: Engine) -> FidelityRecord:
+        other = teacher_forced(engine, self.prompt_ids, self.tokens)
+        rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
+        if self.fp32 is None or self.floor is None:
+            return rec
+        vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
+        return judge_half(rec, vs32, self.floor)
