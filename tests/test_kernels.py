@@ -439,6 +439,81 @@ def test_rope_position_outside_cache_writes_nothing_and_in_place_q() -> None:
         rn.rope_and_cache_write(q, k, v, kc, vc, 3, cos, sin)  # type: ignore[arg-type]
 
 
+# ------------------------------------------------ fused_rope_norm in the decoder (tiny model)
+
+
+def _teacher_forced(model, names, prompt, tokens, **params):
+    from orchestrator.config import StackSpec, TechniqueRef
+    from orchestrator.families.rumik import FAMILY, fidelity
+    from orchestrator.registry import build_stack
+
+    spec = StackSpec(
+        name="t", techniques=[TechniqueRef(name=n, params=params.get(n, {})) for n in names]
+    )
+    return fidelity.teacher_forced(FAMILY.build_engine(model, build_stack(spec)), prompt, tokens)
+
+
+@pytest.fixture(scope="module")
+def fused_case():
+    """The tiny model (fp32), a prompt and 72 stock tokens: the cache crosses the window."""
+    from orchestrator.config import ModelSpec, SamplingConfig
+    from orchestrator.families.rumik import FAMILY, fidelity
+    from orchestrator.families.rumik.engine import stock_engine
+    from orchestrator.families.rumik.vocab import build_prompt
+
+    model = FAMILY.build_model(ModelSpec(preset="tiny", device=DEVICE.type))
+    prompt = model.encode_prompt(build_prompt("A short test sentence.", "Ira", "neutral"))
+    eng = stock_engine(model)
+    with torch.inference_mode():
+        gen = torch.Generator(device=DEVICE).manual_seed(7)
+        tokens = eng.loop(eng, prompt, 9, SamplingConfig(), gen).tokens
+    assert len(prompt) + len(tokens) > model.config.sliding_window
+    return model, prompt, tokens, fidelity.teacher_forced(eng, prompt, tokens)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["static_kv_cache", "fused_rope_norm"],  # stock projections: residual, then the norm
+     ["static_kv_cache", "packed_projections", "fused_rope_norm"]],  # add + norm fused
+    ids="+".join,
+)  # fmt: skip
+def test_fused_rope_norm_matches_stock(fused_case, names) -> None:
+    from orchestrator.families.rumik import fidelity
+
+    model, prompt, tokens, ref = fused_case
+    other = _teacher_forced(model, names, prompt, tokens)
+    rec = fidelity.compare(ref, other, 0.8, 30, torch.float32)
+    assert rec.within_tolerance and rec.top1_agreement == 1.0, rec
+
+
+def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
+    """int8 + fused glue gives the logits of int8 alone: the fusion changes nothing else."""
+    model, prompt, tokens, _ = fused_case
+    # few, wide programs: the interpreter's cost is per program
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: gemv.GemvConfig(128, 128))
+    plain = _teacher_forced(model, ["static_kv_cache", "int8_projections"], prompt, tokens[:8])
+    fused = _teacher_forced(model, ["static_kv_cache", "int8_projections", "fused_rope_norm"],
+                            prompt, tokens[:8])  # fmt: skip
+    assert rel_err(fused, plain) < 1e-5
+
+
+def test_fused_rope_norm_refuses_unsupported() -> None:
+    from techniques.rumik.fused_rope_norm import UnsupportedConfigError, check_supported
+
+    with pytest.raises(UnsupportedConfigError, match="head_dim must be an even power of two"):
+        check_supported(1024, 8, 2, 96)
+    with pytest.raises(UnsupportedConfigError, match="at most 64"):
+        check_supported(1024, 80, 2, 128)
+    from orchestrator.config import StackSpec, TechniqueRef
+    from orchestrator.registry import StackError, build_stack
+
+    spec = StackSpec(name="t", techniques=[
+        TechniqueRef(name="static_kv_cache", params={"compile": True}),
+        TechniqueRef(name="fused_rope_norm")])  # fmt: skip
+    with pytest.raises(StackError, match="without compile"):
+        build_stack(spec)
+
+
 # --------------------------------------------------------------------------- GPU only
 
 

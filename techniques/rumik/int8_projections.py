@@ -70,10 +70,14 @@ class Int8Packed:
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
 
+    def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """o_proj(attn) + down_proj(act) without the residual add (a fused kernel adds it)."""
+        return self._linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
     ) -> torch.Tensor:
-        return x + self._linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+        return x + self.output(i, attn, act)
 
 
 class Int8Projections(Technique):

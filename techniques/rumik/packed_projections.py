@@ -52,6 +52,12 @@ class Packed:
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
 
+    def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """o_proj(attn) + down_proj(act) without the residual add (a fused kernel adds it)."""
+        if self.fuse_output:
+            return F.linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+        return F.linear(attn, self.w_o[i]) + F.linear(act, self.w_down[i])
+
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
     ) -> torch.Tensor:

@@ -136,9 +136,9 @@ class StaticKVCache(Technique):
                     f"{p.max_seq_len}"
                 )
             if not decoder:
-                decoder.append(
-                    StaticDecoder(eng, p.max_seq_len, p.compile_mode if p.compile else None)
-                )
+                # A technique that changes the step's math (fused_rope_norm) names a subclass.
+                cls = eng.notes.get("static_decoder_cls", StaticDecoder)
+                decoder.append(cls(eng, p.max_seq_len, p.compile_mode if p.compile else None))
             decoder[0].reset()
             return decoder[0]
 

@@ -1,0 +1,144 @@
+"""Fused decode-step glue: (residual add +) LayerNorm and interleaved rotary + KV-cache write.
+
+static_kv_cache's decode step spends most of its launches between the projections: the fp32
+LayerNorm (upcast, norm, downcast), the interleaved rotary of q and k (slices, stack, negate,
+multiply, add, cast), two index_copy cache writes, and the residual add. This technique
+keeps static_kv_cache's decoder and replaces, on single-token steps only, that glue with the
+Triton kernels of techniques/rumik/kernels/rope_norm.py:
+
+- one `rope_and_cache_write` per layer: rotates q and k of every head at the position read
+  from device memory, writes k and v into the layer's cache row (a copy on Cohere2's
+  full-attention layers, which carry no positional encoding);
+- one `add_layer_norm` per layer: the parallel block's residual add fused with the next
+  layer's input norm (the final norm after the last layer), when the projections expose
+  `output` (o_proj + down_proj without the add: packed, int8 and int6 do); otherwise the
+  projections add the residual and one `layer_norm` kernel follows.
+
+Prefill (more than one token) keeps the unfused path. The position is only read on the
+device, so the step stays capturable by cuda_graph / graph_loop. Exact up to rounding order:
+the same fp32 maths, checked on teacher-forced logits against stock.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orchestrator.families.rumik.engine import Engine
+from orchestrator.technique import Technique, TechniqueParams
+from techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
+
+# The kernels' limits (techniques/rumik/kernels/rope_norm.py), checked before any launch.
+MAX_NORM_WIDTH = 16384
+MAX_HEADS = 64
+MAX_HEAD_DIM = 256
+
+
+class UnsupportedConfigError(ValueError):
+    """The model or input is outside what the fused kernels support; names the limit."""
+
+
+def check_supported(hidden: int, hq: int, hkv: int, head_dim: int) -> None:
+    if head_dim % 2 or head_dim & (head_dim - 1) or head_dim > MAX_HEAD_DIM:
+        raise UnsupportedConfigError(
+            f"fused_rope_norm: head_dim must be an even power of two <= {MAX_HEAD_DIM}; "
+            f"this model has {head_dim}"
+        )
+    if hq > MAX_HEADS or hkv > MAX_HEADS:
+        raise UnsupportedConfigError(
+            f"fused_rope_norm: at most {MAX_HEADS} query/KV heads; this model has {hq}/{hkv}"
+        )
+    if hidden > MAX_NORM_WIDTH:
+        raise UnsupportedConfigError(
+            f"fused_rope_norm: hidden size must be <= {MAX_NORM_WIDTH}; this model has {hidden}"
+        )
+
+
+class FusedRopeNormDecoder(StaticDecoder):
+    """static_kv_cache's decoder with the decode step's glue in three kernels per layer."""
+
+    def __init__(self, engine: Engine, max_seq_len: int, compile_mode: str | None):
+        if compile_mode:
+            raise UnsupportedConfigError(
+                "fused_rope_norm: static_kv_cache.compile must be false (Triton launches are "
+                "not traced by torch.compile here)"
+            )
+        super().__init__(engine, max_seq_len, None)
+        check_supported(self.embed.shape[1], self.hq, self.hkv, self.d)
+        # The kernel's tables hold one value per rotary pair: the interleaved tables' even
+        # columns (already rounded to the model dtype, as transformers rounds them).
+        self.cos_half = self.cos[:, ::2].contiguous()
+        self.sin_half = self.sin[:, ::2].contiguous()
+        self.next_norm = [*self.norms[1:], self.final_norm]
+        self.output = getattr(self.proj, "output", None)
+        self.pdl = bool(engine.notes.get("pdl", False))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if ids.shape[0] != 1:
+            raise UnsupportedConfigError(f"fused_rope_norm: batch must be 1, got {ids.shape[0]}")
+        if ids.shape[1] != 1:  # prefill: the unfused path over the whole prompt
+            return super()._forward(ids, positions)
+        from techniques.rumik.kernels import rope_norm as rn
+
+        pdl, eps = self.pdl, self.eps
+        x = F.embedding(ids, self.embed)
+        xn = rn.layer_norm(x, self.norms[0], eps, launch_pdl=pdl)
+        for i in range(len(self.norms)):
+            q, k, v, gate, up = self.proj.qkvgu(i, xn)
+            q = rn.rope_and_cache_write(
+                q, k, v, self.k[i], self.v[i], positions, self.cos_half, self.sin_half,
+                rotary=self.sliding[i], launch_pdl=pdl,
+            )  # fmt: skip
+            window = self.window if self.sliding[i] else None
+            attn = self.attend(q.view(1, self.hq, 1, self.d), self.k[i], self.v[i], positions,
+                               window)  # fmt: skip
+            attn = attn.transpose(1, 2).reshape(1, 1, self.hq * self.d)
+            act = F.silu(gate) * up
+            if self.output is not None:
+                delta = self.output(i, attn, act)
+                xn, x = rn.add_layer_norm(delta, x, self.next_norm[i], eps, launch_pdl=pdl)
+            else:
+                x = self.proj.residual(i, x, attn, act)
+                xn = rn.layer_norm(x, self.next_norm[i], eps, launch_pdl=pdl)
+        return xn  # the last iteration applied the final norm
+
+
+class FusedRopeNorm(Technique):
+    name = "fused_rope_norm"
+    family = "rumik"
+    exact = True
+    wraps = ("decoder",)
+    requires = ("cuda", "package:triton")
+    after = ("static_kv_cache",)
+    summary = "Triton (residual add +) LayerNorm and rotary + KV-cache write on decode steps."
+
+    @classmethod
+    def check_stack(
+        cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]
+    ) -> str | None:
+        static = earlier.get("static_kv_cache")
+        if isinstance(static, StaticKVCacheParams) and static.compile:
+            return "needs static_kv_cache without compile (its Triton launches are not traced)"
+        return None
+
+    def apply(self, engine: Engine) -> None:
+        check_supported(
+            engine.model.config.hidden_size,
+            engine.model.config.num_attention_heads,
+            engine.model.config.num_key_value_heads,
+            engine.model.config.head_dim,
+        )
+        engine.notes["static_decoder_cls"] = FusedRopeNormDecoder
+        inner = engine.decoder_factory
+
+        def factory(eng: Engine, need: int):
+            decoder = inner(eng, need)
+            base = getattr(decoder, "inner", decoder)  # under cuda_graph
+            if not isinstance(base, FusedRopeNormDecoder):  # never a silent no-op
+                raise TypeError(
+                    "fused_rope_norm needs static_kv_cache's decoder; the decoder in use is "
+                    f"{type(base).__name__}"
+                )
+            return decoder
+
+        engine.decoder_factory = factory
