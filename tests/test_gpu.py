@@ -166,16 +166,16 @@ def test_device_sampler_stays_in_allowed_columns(case128):
 
 
 def test_fused_rope_norm_composes_with_int8_and_graph_loop(case128):
-    """int8 + fused glue + graph capture: the int8 stack's logits, and valid generation."""
-    model, prompt, tokens, _ = case128
+    """int8 + fused glue + graph capture: the int8 stack's logits (bf16 rounding order
+    aside), and valid reproducible generation inside graph_loop."""
+    model, prompt, ref = case128
     base = [("static_kv_cache", {}), ("int8_projections", {}), ("decode_attention", {})]
-    plain = fidelity.teacher_forced(build(model, base), prompt, tokens)
+    plain = fidelity.teacher_forced(build(model, base), prompt, ref.tokens)
     graphed = build(model, [*base, ("fused_rope_norm", {}), ("cuda_graph", {})])
     for _ in range(2):
-        rec = fidelity.compare(
-            plain, fidelity.teacher_forced(graphed, prompt, tokens), 0.8, 30, model.dtype
-        )
-        assert rec.within_tolerance and rec.top1_agreement >= 0.95, rec
+        other = fidelity.teacher_forced(graphed, prompt, ref.tokens)
+        rec = fidelity.compare(plain, other, 0.8, 30, model.dtype)
+        assert rec.top1_agreement >= 0.95 and rec.mean_kl < 1e-3, rec
     full = [
         *base,
         ("codebook_head", {}),
