@@ -74,6 +74,9 @@ def run(
         if device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, not {device!r}")
         spec = load_model_spec(model, device=device, dtype=dtype)
+        if spec.family == "omnivoice":  # the defaults name Rumik's baseline and workload
+            baseline = "ov-a" if baseline == "stock" else baseline
+            workload = "ov-smoke" if workload == "smoke" else workload
         stacks = [load_stack(baseline)]
         for name in stack:
             candidate = load_stack(name)

@@ -95,6 +95,33 @@ class LengthPolicy(Strict):
 class Prompt(Strict):
     id: str
     text: str = Field(min_length=1)
+    point: str | None = Field(None, description="Operating point (Workload.operating_points).")
+
+
+class OperatingPoint(Strict):
+    """A request class with a weight in the primary metric S = sum(weight x median RTF).
+
+    mode/instruct/ref_audio/ref_text/language are OmniVoice's request modes; the Rumik
+    family does not read them (its voice and delivery are workload-wide).
+    """
+
+    weight: float = Field(1.0, gt=0)
+    mode: Literal["auto", "design", "clone"] = "auto"
+    instruct: str | None = Field(None, description="Design mode: e.g. 'female, british accent'.")
+    ref_audio: str | None = Field(None, description="Clone mode: WAV path (relative: repo root).")
+    ref_text: str | None = Field(None, description="Clone mode: transcript of ref_audio.")
+    language: str | None = None
+
+    @model_validator(mode="after")
+    def _mode_inputs(self) -> OperatingPoint:
+        if self.mode == "design" and not self.instruct:
+            raise ValueError("mode 'design' needs an instruct")
+        if self.mode == "clone" and not (self.ref_audio and self.ref_text):
+            raise ValueError(
+                "mode 'clone' needs ref_audio and ref_text (without a transcript OmniVoice "
+                "would download Whisper to make one)"
+            )
+        return self
 
 
 class Workload(Strict):
@@ -107,6 +134,10 @@ class Workload(Strict):
     warmups: int = Field(3, ge=0)
     length_policy: LengthPolicy = LengthPolicy()
     save_audio: int = Field(2, ge=0, description="WAVs kept per stack (for listening, MLflow).")
+    operating_points: dict[str, OperatingPoint] = Field(
+        default_factory=dict,
+        description="Named request classes with weights; S = sum(weight x median RTF).",
+    )
     measure_ttfa: bool = Field(
         True,
         description="Also time each prompt to its first decoded 80 ms frame (a one-frame "
@@ -122,6 +153,20 @@ class Workload(Strict):
         if dupes:
             raise ValueError(f"duplicate prompt ids: {dupes}")
         return prompts
+
+    @model_validator(mode="after")
+    def _points_declared(self) -> Workload:
+        if not self.operating_points:
+            if any(p.point for p in self.prompts):
+                raise ValueError("prompts name operating points but none are declared")
+            return self
+        unknown = sorted({p.point or "<none>" for p in self.prompts} - set(self.operating_points))
+        if unknown:
+            raise ValueError(
+                f"prompts with undeclared operating points {unknown}; declared: "
+                f"{sorted(self.operating_points)} (every prompt needs one)"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- stack

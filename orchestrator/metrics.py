@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from orchestrator.config import Workload
 from orchestrator.records import UtteranceRecord
 
 
@@ -80,3 +81,32 @@ def compare(base: Sequence[UtteranceRecord], cand: Sequence[UtteranceRecord]) ->
     if ratios:
         out["paired_median_speedup"] = statistics.median(ratios)
     return out
+
+
+def point_metrics(utts: Sequence[UtteranceRecord], workload: Workload) -> dict[str, float]:
+    """Median RTF per operating point and S = sum(weight x median RTF), the write-up's
+    primary speed metric; S only when every declared point has recordings."""
+    if not workload.operating_points:
+        return {}
+    point_of = {p.id: p.point for p in workload.prompts}
+    out: dict[str, float] = {}
+    for name in workload.operating_points:
+        rtfs = [
+            u.latency_s / u.audio_s
+            for u in utts
+            if point_of.get(u.prompt_id) == name and u.audio_s > 0
+        ]
+        if rtfs:
+            out[f"median_rtf_{name}"] = statistics.median(rtfs)
+    if len(out) == len(workload.operating_points):
+        out["S"] = sum(
+            op.weight * out[f"median_rtf_{name}"] for name, op in workload.operating_points.items()
+        )
+    return out
+
+
+def compare_s(base: dict[str, float], cand: dict[str, float]) -> dict[str, float]:
+    """Speedup in S (lower S is faster) where both stacks have it."""
+    if base.get("S", 0) > 0 and cand.get("S", 0) > 0:
+        return {"s_speedup_vs_baseline": base["S"] / cand["S"]}
+    return {}

@@ -47,6 +47,7 @@ def comparisons(result: ResultRecord) -> dict[str, dict[str, float]]:
     base = result.results[0]
     return {
         r.stack.name: metrics.compare(base.utterances, r.utterances)
+        | metrics.compare_s(base.metrics, r.metrics)
         for r in result.results[1:]
         if r.utterances and base.utterances
     }

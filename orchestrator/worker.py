@@ -24,7 +24,7 @@ from orchestrator import environment
 from orchestrator.audio import integrity, write_wav
 from orchestrator.config import LengthPolicy
 from orchestrator.families import get_family
-from orchestrator.metrics import summarize
+from orchestrator.metrics import point_metrics, summarize
 from orchestrator.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
 from orchestrator.registry import StackError, build_stack
 from orchestrator.technique import DeviceCaps
@@ -128,6 +128,7 @@ def run_job(job: JobSpec) -> ResultRecord:
     env = environment.capture(job.model.device, family.config_hash(model))
     for name, res in results.items():
         res.metrics = summarize(res.utterances)
+        res.metrics.update(point_metrics(res.utterances, wl))
         if name in engines:
             res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
     statuses = {r.status for r in results.values()}

@@ -55,4 +55,10 @@ def get_family(name: str) -> Family:
         from orchestrator.families.rumik import FAMILY
 
         return FAMILY
-    raise ValueError(f"unknown model family {name!r}; known: rumik")
+    if name == "omnivoice":
+        try:
+            from orchestrator.families.omnivoice import FAMILY as OMNIVOICE
+        except ImportError as exc:  # torchaudio must match torch; see the README
+            raise ValueError(f"the omnivoice family needs the omnivoice package: {exc}") from exc
+        return OMNIVOICE
+    raise ValueError(f"unknown model family {name!r}; known: rumik, omnivoice")
