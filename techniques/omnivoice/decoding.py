@@ -1,0 +1,84 @@
+"""The package's decoding knobs as techniques: each sets one OmniVoiceGenerationConfig field.
+
+All change what is generated (fewer steps, other guidance or schedules), so none is exact;
+fidelity against stock shows by how much. Values are checked by the engine's knob
+validation too (e.g. num_step >= 1), so a bad value fails at engine build, by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from orchestrator.technique import Technique, TechniqueParams
+
+
+class _Knob(Technique):
+    family = "omnivoice"
+    exact = False
+    knob: ClassVar[str]
+
+    def apply(self, engine: Any) -> None:
+        engine.knobs[self.knob] = self.params.value  # type: ignore[attr-defined]
+        engine.config()  # validate now, naming the knob
+
+
+class NumStepParams(TechniqueParams):
+    value: int = Field(16, ge=1, description="Unmasking steps (package default 32).")
+
+
+class NumStep(_Knob):
+    name = "num_step"
+    knob = "num_step"
+    slots = ("knob.num_step",)
+    summary = "unmasking steps (default 32; the docs suggest 16 for speed)"
+    Params = NumStepParams
+
+
+class GuidanceScaleParams(TechniqueParams):
+    value: float = Field(2.0, ge=0, description="CFG scale (package default 2.0).")
+
+
+class GuidanceScale(_Knob):
+    name = "guidance_scale"
+    knob = "guidance_scale"
+    slots = ("knob.guidance_scale",)
+    summary = "classifier-free guidance scale (0 still computes the unconditioned rows)"
+    Params = GuidanceScaleParams
+
+
+class TShiftParams(TechniqueParams):
+    value: float = Field(0.1, gt=0, description="Time-step shift (package default 0.1).")
+
+
+class TShift(_Knob):
+    name = "t_shift"
+    knob = "t_shift"
+    slots = ("knob.t_shift",)
+    summary = "time-step shift of the unmasking schedule"
+    Params = TShiftParams
+
+
+class PositionTemperatureParams(TechniqueParams):
+    value: float = Field(5.0, ge=0, description="Gumbel temperature of position choice.")
+
+
+class PositionTemperature(_Knob):
+    name = "position_temperature"
+    knob = "position_temperature"
+    slots = ("knob.position_temperature",)
+    summary = "temperature of which positions unmask (0: deterministic; hurt long-form)"
+    Params = PositionTemperatureParams
+
+
+class LayerPenaltyFactorParams(TechniqueParams):
+    value: float = Field(5.0, description="Penalty per codebook index (package default 5.0).")
+
+
+class LayerPenaltyFactor(_Knob):
+    name = "layer_penalty_factor"
+    knob = "layer_penalty_factor"
+    slots = ("knob.layer_penalty_factor",)
+    summary = "how strongly earlier codebooks unmask first"
+    Params = LayerPenaltyFactorParams
