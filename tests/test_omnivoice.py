@@ -1,0 +1,370 @@
+"""The OmniVoice family on the tiny preset: the package's path, slots, techniques, errors.
+
+Skipped where `omnivoice` cannot be imported (it needs a torchaudio matching torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("omnivoice", exc_type=ImportError)
+
+from orchestrator.config import (
+    ModelSpec,
+    OperatingPoint,
+    Prompt,
+    StackSpec,
+    TechniqueRef,
+    Workload,
+)
+from orchestrator.families import get_family
+from orchestrator.families.omnivoice.engine import (
+    KnobError,
+    generation_config,
+    slot_loop,
+    stock_engine,
+)
+from orchestrator.registry import StackError, build_stack
+from orchestrator.technique import DeviceCaps
+
+TEXT = "The morning train was late again."
+REF_TEXT = "The weather was calm, so we took the small boat out across the bay."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    os.environ.setdefault("ORCHESTRATE_CACHE", str(tmp_path_factory.mktemp("ovcache")))
+
+
+@pytest.fixture(scope="module")
+def family():
+    return get_family("omnivoice")
+
+
+@pytest.fixture(scope="module")
+def model(family):
+    return family.build_model(ModelSpec(family="omnivoice", preset="tiny"))
+
+
+def workload(**points) -> Workload:
+    points = points or {"p": OperatingPoint()}
+    return Workload(
+        name="t",
+        operating_points=points,
+        prompts=[Prompt(id=n, text=f"{TEXT} ({n})", point=n) for n in points],
+        seeds=[11],
+        warmups=0,
+        length_policy={"mode": "model"},
+        measure_ttfa=False,
+    )
+
+
+def engine_for(family, model, *techniques, caps=None):
+    spec = StackSpec(
+        name="s", family="omnivoice", techniques=[TechniqueRef(**t) for t in techniques]
+    )
+    return family.build_engine(model, build_stack(spec, caps or DeviceCaps("cpu")))
+
+
+def codes(engine, text=TEXT, seed=11, **request):
+    ov = engine.model.ov
+    cfg = engine.config()
+    task = ov._preprocess_all(text=[text] * engine.batch, **request)
+    torch.manual_seed(seed)
+    return engine.generate_codes(task, cfg)
+
+
+def package_codes(model, text=TEXT, seed=11, **kwargs):
+    """Codes OmniVoice.generate() hands to its decoder (spied, not re-derived)."""
+    ov, seen = model.ov, []
+    real = ov._decode_and_post_process
+
+    def spy(tokens, rms, cfg):
+        seen.append(tokens.clone())
+        return real(tokens, rms, cfg)
+
+    ov._decode_and_post_process = spy
+    try:
+        torch.manual_seed(seed)
+        ov.generate(text, postprocess_output=False, **kwargs)
+    finally:
+        del ov._decode_and_post_process
+    return seen
+
+
+# ------------------------------------------------------------------- the code path
+
+
+def test_model_is_loaded_through_the_package(model):
+    from omnivoice import OmniVoice
+
+    assert isinstance(model.ov, OmniVoice) and model.random_weights
+    assert (model.folder / "audio_tokenizer" / "config.json").exists()
+    cfg = model.ov.config
+    assert (cfg.num_audio_codebook, cfg.audio_vocab_size, cfg.audio_mask_id) == (8, 1025, 1024)
+    assert cfg.llm_config.vocab_size >= 1025
+    assert model.frame_rate == 25 and model.ov.audio_tokenizer.config.hop_length == 960
+    assert model.ov.llm.config._attn_implementation == "sdpa"
+    tok = model.ov.text_tokenizer
+    for special in ("<|denoise|>", "<|lang_start|>", "<|instruct_end|>", "<|text_start|>"):
+        assert len(tok(special, add_special_tokens=False).input_ids) == 1
+
+
+def test_real_shape_preset_counts_match_the_checkpoint():
+    from omnivoice import OmniVoice, OmniVoiceConfig
+    from transformers import HiggsAudioV2TokenizerConfig, Qwen3Config
+
+    from orchestrator.families.omnivoice.presets import OMNIVOICE
+
+    with torch.device("meta"):
+        ov = OmniVoice(OmniVoiceConfig(llm_config=Qwen3Config(**OMNIVOICE.llm)))
+    assert round(sum(p.numel() for p in ov.parameters()) / 1e6, 1) == 612.6
+    codec = HiggsAudioV2TokenizerConfig(**OMNIVOICE.codec)
+    assert (codec.frame_rate, codec.num_quantizers, codec.sample_rate) == (25, 8, 24_000)
+
+
+@pytest.mark.parametrize(
+    "request_kwargs",
+    [{}, {"instruct": "female, british accent"}],
+    ids=["auto", "design"],
+)
+def test_reimplemented_stock_loop_equals_package_generate(model, request_kwargs):
+    expected = package_codes(model, **request_kwargs)
+    got = codes(stock_engine(model, reimplemented=True), **request_kwargs)
+    assert len(expected) == len(got) == 1
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(codes(stock_engine(model), **request_kwargs)[0], expected[0])
+
+
+def test_seed_changes_codes_and_same_seed_repeats(model):
+    eng = stock_engine(model, reimplemented=True)
+    assert torch.equal(codes(eng, seed=1)[0], codes(eng, seed=1)[0])
+    assert not torch.equal(codes(eng, seed=1)[0], codes(eng, seed=2)[0])
+
+
+def test_synthesize_all_modes(family, model, tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, 0.1 * np.sin(np.arange(48_000) / 7.0).astype("float32"), 16_000)
+    wl = workload(
+        a=OperatingPoint(),
+        d=OperatingPoint(mode="design", instruct="male, low pitch"),
+        c=OperatingPoint(mode="clone", ref_audio=str(ref), ref_text=REF_TEXT),
+    )
+    eng = stock_engine(model)
+    for prompt in wl.prompts:
+        syn = family.synthesize(eng, prompt.text, 11, wl)
+        assert syn.frames > 0 and syn.new_tokens == 8 * syn.frames
+        assert syn.audio.size > 0 and syn.sample_rate == 24_000
+        assert syn.latency_s >= syn.lm_s > 0
+    clone = family.synthesize(eng, wl.prompts[2].text, 11, wl)
+    assert clone.prompt_tokens > family.synthesize(eng, wl.prompts[0].text, 11, wl).prompt_tokens
+
+
+def test_fixed_length_policy_sets_duration(family, model):
+    wl = Workload.model_validate(
+        workload().model_dump() | {"length_policy": {"mode": "fixed", "frames": 30}}
+    )
+    syn = family.synthesize(stock_engine(model), wl.prompts[0].text, 11, wl)
+    assert syn.frames == 30
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def test_unknown_knob_and_bad_step_count_are_errors():
+    with pytest.raises(KnobError, match=r"unknown generation knob.*num_steps.*valid: num_step"):
+        generation_config({"num_steps": 8})
+    with pytest.raises(KnobError, match="num_step must be an integer >= 1"):
+        generation_config({"num_step": 0})
+    with pytest.raises(StackError, match="num_step.*greater than or equal to 1"):
+        build_stack(
+            StackSpec(
+                name="s",
+                family="omnivoice",
+                techniques=[{"name": "num_step", "params": {"value": 0}}],
+            )
+        )
+
+
+def test_clone_without_ref_text_is_a_clear_error(family, model):
+    from orchestrator.families.omnivoice.family import request_kwargs
+
+    with pytest.raises(ValueError, match="ref_text.*Whisper"):
+        OperatingPoint(mode="clone", ref_audio="x.wav")
+    point = OperatingPoint.model_construct(mode="clone", ref_audio="x.wav", ref_text=None)
+    with pytest.raises(ValueError, match="needs ref_text.*download a Whisper"):
+        request_kwargs(point, 24_000)
+
+
+def test_flash_attention_2_is_refused_with_the_reason(family, model):
+    with pytest.raises(RuntimeError, match="does not support Flash Attention 2 yet"):
+        engine_for(family, model, {"name": "flash_attention_2"})
+
+
+def test_gpu_only_techniques_are_skipped_or_refused_on_cpu():
+    spec = StackSpec(name="s", family="omnivoice", techniques=[{"name": "torch_compile"}])
+    built = build_stack(spec, DeviceCaps("cpu"))
+    assert "torch_compile" in built.skipped and "CUDA" in built.skipped["torch_compile"]
+    with pytest.raises(StackError, match="cannot run here"):
+        build_stack(spec, DeviceCaps("cpu"), strict=True)
+
+
+def test_forward_filled_after_compile_is_refused():
+    spec = StackSpec(
+        name="s",
+        family="omnivoice",
+        techniques=[{"name": "torch_compile"}, {"name": "use_cache_off"}],
+    )
+    with pytest.raises(StackError, match="before torch_compile"):
+        build_stack(spec)
+
+
+# ------------------------------------------------------------------- techniques
+
+
+def test_exact_techniques_match_stock_codes(family, model):
+    ref = codes(stock_engine(model))[0]
+    eng = engine_for(family, model, {"name": "use_cache_off"})
+    assert eng.loop is slot_loop  # a filled forward switches to the slot-reading loop
+    assert torch.equal(codes(eng)[0], ref)
+
+
+def test_batch_rows_equal_stock_without_position_noise(family, model):
+    # Each item draws its own Gumbel noise in turn, so only a noise-free run compares.
+    greedy = {"name": "position_temperature", "params": {"value": 0.0}}
+    ref = codes(engine_for(family, model, greedy))[0]
+    out = codes(engine_for(family, model, greedy, {"name": "batch", "params": {"size": 3}}))
+    assert len(out) == 3 and all(torch.equal(c, ref) for c in out)
+
+
+def test_cpu_compile_of_forward_is_exact(model):
+    from techniques.omnivoice.torch_compile import compile_forward
+
+    eng = stock_engine(model, reimplemented=True)
+    ref = codes(eng)[0]
+    eng.forward = compile_forward(eng.forward, mode="default", fullgraph=False)
+    assert torch.equal(codes(eng)[0], ref)
+    assert eng.forward.shapes_seen  # type: ignore[attr-defined]
+
+
+def test_knob_techniques_change_the_config(family, model):
+    eng = engine_for(
+        family,
+        model,
+        {"name": "num_step", "params": {"value": 10}},
+        {"name": "guidance_scale", "params": {"value": 2.5}},
+        {"name": "t_shift", "params": {"value": 0.05}},
+        {"name": "position_temperature", "params": {"value": 0.0}},
+        {"name": "layer_penalty_factor", "params": {"value": 3.0}},
+    )
+    cfg = eng.config()
+    assert (cfg.num_step, cfg.guidance_scale, cfg.t_shift) == (10, 2.5, 0.05)
+    assert (cfg.position_temperature, cfg.layer_penalty_factor) == (0.0, 3.0)
+    assert eng.loop is not slot_loop  # knobs alone keep the package's own loop
+
+
+def test_cfg_late_off_really_runs_fewer_rows(family, model):
+    eng = engine_for(family, model, {"name": "cfg_late_off", "params": {"from_fraction": 0.5}})
+    codes(eng)
+    assert eng.notes["last"] == {"steps_run": 32, "rows_run": 16 * 2 + 16 * 1}
+    stock = stock_engine(model, reimplemented=True)
+    codes(stock)
+    assert stock.notes["last"]["rows_run"] == 64
+    # guidance_scale=0 is not the same thing: the package still computes the uncond rows.
+    zero = engine_for(family, model, {"name": "guidance_scale", "params": {"value": 0.0}})
+    zero.loop = slot_loop
+    codes(zero)
+    assert zero.notes["last"]["rows_run"] == 64
+
+
+def test_confidence_parallel_exits_early(family, model):
+    # threshold 1e-6: every masked position qualifies, so step 0 commits all of them
+    eng = engine_for(
+        family,
+        model,
+        {"name": "confidence_parallel", "params": {"threshold": 1e-6, "step_limit": 12}},
+    )
+    out = codes(eng)[0]
+    assert eng.notes["last"]["steps_run"] == 1
+    assert not bool((out == 1024).any())
+    strict = engine_for(
+        family,
+        model,
+        {"name": "confidence_parallel", "params": {"threshold": 1.0, "step_limit": 5}},
+    )
+    out = codes(strict)[0]
+    assert strict.notes["last"]["steps_run"] == 5 and not bool((out == 1024).any())
+
+
+def test_fidelity_flags_approximate_stacks(family, model):
+    engines = {
+        "exact": engine_for(family, model, {"name": "use_cache_off"}),
+        "steps": engine_for(family, model, {"name": "num_step", "params": {"value": 8}}),
+        "late": engine_for(family, model, {"name": "cfg_late_off"}),
+    }
+    recs = family.fidelity(model, engines, workload(), 32)
+    assert recs["exact"].within_tolerance and recs["exact"].top1_agreement == 1.0
+    assert recs["exact"].steps == 32
+    assert not recs["steps"].within_tolerance and recs["steps"].top1_agreement < 1.0
+    assert not recs["late"].within_tolerance and recs["late"].mean_kl > 0
+
+
+# ------------------------------------------------------------------- end to end
+
+
+def test_cli_run_end_to_end(tmp_path):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(
+        "name: ov-e2e\n"
+        "operating_points:\n  s: {weight: 0.7}\n"
+        "  d: {weight: 0.3, mode: design, instruct: female}\n"
+        "prompts:\n- {id: a, point: s, text: A short first sentence.}\n"
+        "- {id: b, point: d, text: And a second one.}\n"
+        "seeds: [11]\nwarmups: 1\nlength_policy: {mode: model}\nmeasure_ttfa: false\n"
+    )
+    env = {
+        **os.environ,
+        "ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'runs.db'}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "run", "--stack", "ov-b", "--model",
+         "omnivoice-tiny", "--workload", str(wl), "--fidelity-steps", "4", "--no-mlflow",
+         "--json"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads(proc.stdout)
+    assert [s["name"] for s in run["stacks"]] == ["ov-a", "ov-b"]
+    a, b = run["stacks"]
+    assert b["metrics"]["valid_recordings"] == 2 and not b["exact"]
+    assert {"S", "median_rtf_s", "median_rtf_d"} <= set(b["metrics"])
+    assert b["metrics"]["s_speedup_vs_baseline"] > 0
+    assert not b["fidelity"]["within_tolerance"] and a["metrics"]["S"] > 0
+
+
+@pytest.mark.gpu
+def test_compiled_recipe_runs_on_cuda():
+    family = get_family("omnivoice")
+    model = family.build_model(ModelSpec(family="omnivoice", preset="tiny", device="cuda"))
+    eng = engine_for(
+        family,
+        model,
+        {"name": "num_step", "params": {"value": 10}},
+        {"name": "torch_compile"},
+        caps=DeviceCaps.probe("cuda"),
+    )
+    ref = stock_engine(model, reimplemented=True)
+    ref.knobs["num_step"] = 10
+    for _ in range(3):  # compile and capture this shape
+        codes(eng)
+    assert torch.equal(codes(eng)[0], codes(ref)[0])
