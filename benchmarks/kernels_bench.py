@@ -6,6 +6,8 @@ device-to-device copy ceiling measured first.
 
 - INT8 GEMV vs cuBLAS bf16 F.linear (M=1) for the five decode projections, plus the whole
   36-layer projection stack captured in one CUDA graph (int8 vs bf16, with and without PDL).
+- INT6 GEMV (4 weights in 3 bytes) vs the INT8 GEMV on the same weights, per shape (shipped
+  heuristic and tuned) and as the 36-layer stack: fewer bytes, more unpacking; which wins?
 - Decode attention vs torch SDPA (enable_gqa) on the valid slice, and vs SDPA over the whole
   static cache with a mask (what a fixed-shape graph has to do without a device length).
 - Sampler vs torch topk -> softmax -> multinomial.
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from techniques.rumik.kernels import decode_attention as attn
+from techniques.rumik.kernels import int6_gemv as g6
 from techniques.rumik.kernels import int8_gemv as gemv
 from techniques.rumik.kernels import rope_norm as rn
 from techniques.rumik.kernels import sampler as samp
@@ -190,6 +193,84 @@ def bench_gemv_stack() -> dict[str, Any]:
     return {"bf16_ms": ms16, "int8_ms": ms8, "int8_pdl_ms": ms8p, "bf16_bytes": b16,
             "int8_bytes": b8, "bf16_GBps": gbps(b16, ms16), "int8_GBps": gbps(b8, ms8),
             "int8_pdl_GBps": gbps(b8, ms8p)}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- INT6
+
+
+def bench_int6(tune: bool) -> dict[str, Any]:
+    """INT6 vs INT8 on the same weights: per shape, then the 36-layer packed stack."""
+    out: dict[str, Any] = {"shapes": [], "tuning": {}}
+    for n, k, what in GEMV_SHAPES:
+        w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
+        p6, s6 = g6.quantize_int6(w)
+        q8, s8 = gemv.quantize_int8(w)
+        x = torch.randn(1, k, device=DEV, dtype=BF16)
+        if tune:
+            best, times = g6.tune_int6_linear(x, p6, s6)
+            ranked = sorted(times.items(), key=lambda i: i[1])
+            out["tuning"][f"{n}x{k}"] = [vars(c) | {"ms": t} for c, t in ranked]
+            print(f"  int6 tuned {n}x{k}: {best} {times[best] * 1e3:.1f} us", flush=True)
+        cfg = g6._TUNED.get((str(DEV), n, k)) or g6.default_config(n, k)
+        y = g6.int6_linear(x, p6, s6, config=cfg)
+        ref = F.linear(x, w)
+        errs = {"rel_err_vs_ref": rel_err(y, g6.int6_linear_ref(x, p6, s6)),
+                "rel_err_vs_bf16_weights": rel_err(y, ref),
+                "int8_rel_err_vs_bf16_weights": rel_err(gemv.int8_linear(x, q8, s8), ref),
+                "rel_err_pdl_vs_plain": rel_err(g6.int6_linear(x, p6, s6, config=cfg,
+                                                               launch_pdl=True), y)}  # fmt: skip
+        ms6 = graph_ms_per_call([lambda c=c, x=x, s=s6, cfg=cfg: g6.int6_linear(x, c, s, config=cfg)
+                                 for c in copies_of(p6)])  # fmt: skip
+        ms6_default = graph_ms_per_call([lambda c=c, x=x, s=s6: g6.int6_linear(x, c, s)
+                                         for c in copies_of(p6)])  # fmt: skip
+        cfg8 = gemv._TUNED.get((str(DEV), True, n, k)) or gemv.default_config(n, k)
+        ms8 = graph_ms_per_call([lambda c=c, x=x, s=s8, cfg=cfg8: gemv.int8_linear(x, c, s,
+                                                                                   config=cfg)
+                                 for c in copies_of(q8)])  # fmt: skip
+        b6 = p6.numel() + 4 * n + 2 * k + 2 * n
+        b8 = q8.numel() + 4 * n + 2 * k + 2 * n
+        out["shapes"].append({"N": n, "K": k, "what": what, "config": vars(cfg), **errs,
+                              "int6_ms": ms6, "int6_default_ms": ms6_default, "int8_ms": ms8,
+                              "int6_bytes": b6, "int8_bytes": b8, "int6_GBps": gbps(b6, ms6),
+                              "int8_GBps": gbps(b8, ms8),
+                              "int6_vs_int8": ms8 / ms6})  # fmt: skip
+        row("int6 GEMV (base: int8)", f"{n}x{k} M=1", ms6, ms8, b6)
+        del w, p6, q8
+    torch.cuda.empty_cache()
+    out["stack"] = _int6_stack()
+    return out
+
+
+def _int6_stack() -> dict[str, Any]:
+    x_in = torch.randn(1, HIDDEN, device=DEV, dtype=BF16)
+    x_out = torch.randn(1, 13056, device=DEV, dtype=BF16)
+    w6, w8 = [], []
+    for _ in range(LAYERS):
+        for n, k in ((25088, 2048), (2048, 13056)):
+            w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
+            w6.append(g6.quantize_int6(w))
+            w8.append(gemv.quantize_int8(w))
+    xs = [x_in, x_out] * LAYERS
+
+    def run6(pdl: bool) -> None:
+        for (p, s), x in zip(w6, xs, strict=True):
+            g6.int6_linear(x, p, s, launch_pdl=pdl)
+
+    def run8(pdl: bool) -> None:
+        for (q, s), x in zip(w8, xs, strict=True):
+            gemv.int8_linear(x, q, s, launch_pdl=pdl)
+
+    b6 = sum(p.numel() + s.numel() * 4 for p, s in w6)
+    b8 = sum(q.numel() + s.numel() * 4 for q, s in w8)
+    ms6, ms6p = graph_ms(lambda: run6(False)), graph_ms(lambda: run6(True))
+    ms8p = graph_ms(lambda: run8(True))
+    w6.clear()
+    w8.clear()
+    torch.cuda.empty_cache()
+    row("GEMV stack int6 (graph, PDL)", "36 x (25088x2048 + 2048x13056)", ms6p, ms8p, b6)
+    return {"int6_ms": ms6, "int6_pdl_ms": ms6p, "int8_pdl_ms": ms8p, "int6_bytes": b6,
+            "int8_bytes": b8, "int6_pdl_GBps": gbps(b6, ms6p), "int8_pdl_GBps": gbps(b8, ms8p),
+            "int6_vs_int8": ms8p / ms6p}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- attention
@@ -376,6 +457,7 @@ def main() -> None:
     sections: list[tuple[str, Callable[[], Any]]] = [
         ("gemv", lambda: bench_gemv(not args.no_tune)),
         ("gemv_stack", bench_gemv_stack),
+        ("int6", lambda: bench_int6(not args.no_tune)),
         ("attention", bench_attention),
         ("rope_norm", bench_rope_norm),
         ("sampler", bench_sampler),

@@ -186,3 +186,65 @@ def test_fused_rope_norm_composes_with_int8_and_graph_loop(case128):
     eng = build(model, full)
     a, b = _generate(eng, prompt, 6, seed=42), _generate(eng, prompt, 6, seed=42)
     assert a.stop_reason == "length_policy" and len(a.tokens) == 48 and a.tokens == b.tokens
+
+
+# ----------------------------------------------------------------------------- INT6
+
+
+def test_int6_kernel_real_shapes_graph_and_pdl():
+    """The INT6 GEMV at the real packed shapes, default and split-K configs, PDL, in a graph."""
+    from techniques.rumik.kernels import int6_gemv as g6
+
+    torch.manual_seed(0)
+    for n, k in ((25088, 2048), (2048, 13056)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        packed, scale = g6.quantize_int6(w)
+        assert packed.shape == (n, 3 * k // 4)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = g6.int6_linear_ref(x, packed, scale)
+        for cfg in (None, g6.Int6Config(8, 128, 4, split_k=4), g6.Int6Config(16, 64, 4)):
+            for pdl in (False, True):
+                y = g6.int6_linear(x, packed, scale, config=cfg, launch_pdl=pdl)
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                assert err < 1e-2, (n, k, cfg, pdl, err)
+        out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        g6.int6_linear(x, packed, scale, out=out, launch_pdl=True)  # warm-up outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g6.int6_linear(x, packed, scale, out=out, launch_pdl=True)
+        for _ in range(3):
+            x.normal_()
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = g6.int6_linear_ref(x, packed, scale)[0]
+            assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+def test_int6_is_close_but_further_than_int8(case128):
+    model, _, ref = case128
+    rec8 = ref.judge(build(model, [("static_kv_cache", {}), ("int8_projections", {})]))
+    rec6 = ref.judge(build(model, [("static_kv_cache", {}), ("int6_projections", {})]))
+    assert rec6.max_abs_logit_diff > 0 and not rec6.within_tolerance
+    assert rec6.top1_agreement >= 0.7 and rec6.mean_kl < 0.2, rec6
+    assert rec6.mean_kl > rec8.mean_kl, (rec6, rec8)
+
+
+def test_int6_stack_generates_in_graph_loop(case128):
+    model, prompt, _ = case128
+    stack = [
+        ("static_kv_cache", {}),
+        ("int6_projections", {}),
+        ("decode_attention", {}),
+        ("codebook_head", {}),
+        ("fused_rope_norm", {}),
+        ("device_sampler", {}),
+        ("graph_loop", {}),
+    ]
+    eng = build(model, stack)
+    int8 = build(model, [("static_kv_cache", {}), ("int8_projections", {})])
+    assert eng.projections.weight_bytes() < int8.projections.weight_bytes()
+    a, b = _generate(eng, prompt, 6, seed=42), _generate(eng, prompt, 6, seed=42)
+    assert a.stop_reason == "length_policy" and len(a.tokens) == 48 and a.tokens == b.tokens
+    vocab = model.vocab
+    assert all(vocab.first_unit_id <= t <= vocab.last_unit_id for t in a.tokens)

@@ -59,10 +59,11 @@ def _load(name: str) -> object:
 with _interpreter(not CUDA and IN_PROCESS):
     pytest.importorskip("triton")
     if IN_PROCESS:
-        gemv, attn, samp, rn = (_load(n) for n in ("int8_gemv", "decode_attention", "sampler",
-                                                    "rope_norm"))  # fmt: skip
+        gemv, attn, samp, rn, g6 = (_load(n) for n in (
+            "int8_gemv", "decode_attention", "sampler", "rope_norm", "int6_gemv"))  # fmt: skip
     else:  # only the subprocess test below runs; names still needed at collection
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
+        g6 = importlib.import_module(_KERNELS + "int6_gemv")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -175,6 +176,62 @@ def test_int8_linear_rejects_unsupported() -> None:
         gemv.int8_linear(torch.ones(1, 64, dtype=torch.int32, device=DEVICE), q, scale)
     with pytest.raises(ValueError, match="int8"):
         gemv.int8_linear(randn(1, 64), q.float(), scale)
+
+
+# --------------------------------------------------------------------------- INT6 GEMV
+
+
+def test_quantize_int6_packing_round_trip_and_bounds() -> None:
+    w = randn(24, 160)
+    w[3] = 0
+    packed, scale = g6.quantize_int6(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 120)  # 4 weights in 3 bytes
+    q = g6.unpack_int6(packed)
+    assert int(q.abs().max()) <= 31 and bool((q[3] == 0).all()) and float(scale[3]) == 1.0
+    ref = torch.round(w.float() / scale[:, None]).clamp(-31, 31).to(torch.int8)
+    assert torch.equal(q, ref)  # the packing is lossless for the 6-bit codes
+    err = (g6.dequantize_int6(packed, scale, torch.float32) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-6).all())
+    with pytest.raises(ValueError, match="multiple of 4"):
+        g6.quantize_int6(randn(4, 10))
+
+
+INT6_CASES = [
+    (64, 256, g6.Int6Config(16, 16)),  # even: whole chunks
+    (72, 200, g6.Int6Config(16, 16)),  # ragged N and K/4: masked loads
+    (64, 512, g6.Int6Config(8, 16, split_k=4)),  # split-K, even
+    (40, 304, g6.Int6Config(8, 16, split_k=3)),  # split-K, ragged
+    (64, 256, None),  # default config
+]
+
+
+@pytest.mark.parametrize("n,k,cfg", INT6_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int6_linear_matches_reference(n: int, k: int, cfg: object, dtype: torch.dtype) -> None:
+    packed, scale = g6.quantize_int6(randn(n, k))
+    x = randn(1, k, dtype=dtype)
+    out = g6.int6_linear(x, packed, scale, config=cfg)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, g6.int6_linear_ref(x, packed, scale)) < tol(dtype)
+    w = g6.dequantize_int6(packed, scale, torch.float32)
+    assert rel_err(out, torch.nn.functional.linear(x.float(), w)) < tol(dtype)
+
+
+def test_int6_linear_split_k_deterministic_and_rejects_unsupported() -> None:
+    packed, scale = g6.quantize_int6(randn(48, 384))
+    x = randn(384, dtype=torch.bfloat16)
+    cfg = g6.Int6Config(16, 16, split_k=3)
+    first = g6.int6_linear(x, packed, scale, config=cfg)
+    assert first.shape == (48,)
+    for _ in range(2):  # as graph replays would
+        assert torch.equal(g6.int6_linear(x, packed, scale, config=cfg), first)
+    assert int(gemv._SEMAPHORES[str(x.device)].abs().sum()) == 0
+    with pytest.raises(ValueError, match="one row"):
+        g6.int6_linear(randn(2, 384), packed, scale)
+    with pytest.raises(ValueError, match="K=32"):
+        g6.int6_linear(randn(1, 32), packed, scale)
+    with pytest.raises(ValueError, match="uint8"):
+        g6.int6_linear(randn(1, 384), packed.to(torch.int8), scale)
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -512,6 +569,32 @@ def test_fused_rope_norm_refuses_unsupported() -> None:
         TechniqueRef(name="fused_rope_norm")])  # fmt: skip
     with pytest.raises(StackError, match="without compile"):
         build_stack(spec)
+
+
+def test_int6_projections_approximate_and_composes(fused_case, monkeypatch) -> None:
+    """int6 moves the logits (more than int8 would), and fused glue on top changes nothing."""
+    from orchestrator.families.rumik import fidelity
+    from orchestrator.registry import StackError, build_stack
+
+    model, prompt, tokens, ref = fused_case
+    monkeypatch.setattr(g6, "default_config", lambda n, k: g6.Int6Config(128, 32))
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: gemv.GemvConfig(128, 128))
+    n = 8
+    six = _teacher_forced(model, ["static_kv_cache", "int6_projections"], prompt, tokens[:n])
+    eight = _teacher_forced(model, ["static_kv_cache", "int8_projections"], prompt, tokens[:n])
+    rec6 = fidelity.compare(ref[:n], six, 0.8, 30, torch.float32)
+    rec8 = fidelity.compare(ref[:n], eight, 0.8, 30, torch.float32)
+    assert not rec6.within_tolerance and rec6.max_abs_logit_diff > rec8.max_abs_logit_diff
+    assert rec6.top1_agreement >= 0.75, rec6
+    fused = _teacher_forced(model, ["static_kv_cache", "int6_projections", "fused_rope_norm"],
+                            prompt, tokens[:n])  # fmt: skip
+    assert rel_err(fused, six) < 1e-5
+    from orchestrator.config import StackSpec, TechniqueRef
+
+    both = StackSpec(name="t", techniques=[TechniqueRef(name=t) for t in
+                     ("static_kv_cache", "int8_projections", "int6_projections")])  # fmt: skip
+    with pytest.raises(StackError, match="conflicts with 'int8_projections'"):
+        build_stack(both)
 
 
 # --------------------------------------------------------------------------- GPU only

@@ -2,6 +2,7 @@
 reference:
 
 - int8_gemv: weight-only INT8 GEMV (quantize_int8, int8_linear, tune_int8_linear)
+- int6_gemv: weight-only INT6 GEMV, 4 weights in 3 bytes (quantize_int6, int6_linear)
 - decode_attention: GQA flash-decoding with a device-side length (decode_attention)
 - sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
 - rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
@@ -21,6 +22,11 @@ _EXPORTS = {
     "int8_linear_ref": "int8_gemv",
     "tune_int8_linear": "int8_gemv",
     "GemvConfig": "int8_gemv",
+    "quantize_int6": "int6_gemv",
+    "int6_linear": "int6_gemv",
+    "int6_linear_ref": "int6_gemv",
+    "tune_int6_linear": "int6_gemv",
+    "Int6Config": "int6_gemv",
     "decode_attention": "decode_attention",
     "decode_attention_ref": "decode_attention",
     "sample_top_k": "sampler",
