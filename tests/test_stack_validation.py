@@ -98,3 +98,16 @@ def test_older_gpu_lacks_sm90():
     assert caps.missing("cuda") is None
     assert DeviceCaps("cuda", (9, 0), "NVIDIA H200").missing("sm90") is None
     assert "nonexistent_pkg_xyz" in DeviceCaps("cpu").missing("package:nonexistent_pkg_xyz")
+
+
+@pytest.mark.parametrize("outer", ["cuda_graph", "graph_loop"])
+def test_inductor_graphs_do_not_nest_in_ours(outer):
+    h200 = DeviceCaps("cuda", (9, 0), "H200")
+    names = ["static_kv_cache", "device_sampler", outer] if outer == "graph_loop" else [
+        "static_kv_cache", outer]  # fmt: skip
+    ro = {"compile": True, "compile_mode": "reduce-overhead"}
+    with pytest.raises(StackError, match="reduce-overhead.*own CUDA graphs"):
+        build_stack(stack(*names, static_kv_cache=ro), h200)
+    fused = {"compile": True, "compile_mode": "default"}  # kernels fused, launched by our graph
+    built = build_stack(stack(*names, static_kv_cache=fused), h200)
+    assert [t.name for t in built.techniques][-1] == outer

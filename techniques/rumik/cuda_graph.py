@@ -43,7 +43,9 @@ class GraphedDecoder:
 
     def body(self) -> torch.Tensor:
         """One step as graph-capturable work: reads token and position from device memory."""
-        hidden = self.inner._forward(self.token, self.pos)[:, -1]
+        # _step is the compiled step when static_kv_cache compiles without its own graphs:
+        # inductor fuses the small elementwise kernels, this graph removes the launches.
+        hidden = self.inner._step(self.token, self.pos)[:, -1]
         self.pos.add_(1)
         return hidden
 
@@ -65,6 +67,22 @@ class GraphedDecoder:
         self.graph = graph
 
 
+def graphs_twice(earlier: dict[str, TechniqueParams]) -> str | None:
+    """Inductor's reduce-overhead mode records its own CUDA graphs; capturing those inside
+    another graph fails, so only compile modes without graphs combine with ours."""
+    static = earlier.get("static_kv_cache")
+    if (
+        isinstance(static, StaticKVCacheParams)
+        and static.compile
+        and static.compile_mode == "reduce-overhead"
+    ):
+        return (
+            "static_kv_cache compiles with mode reduce-overhead (its own CUDA graphs); "
+            "use compile_mode default or max-autotune-no-cudagraphs under a captured graph"
+        )
+    return None
+
+
 class CudaGraph(Technique):
     name = "cuda_graph"
     family = "rumik"
@@ -78,10 +96,7 @@ class CudaGraph(Technique):
     def check_stack(
         cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]
     ) -> str | None:
-        static = earlier.get("static_kv_cache")
-        if isinstance(static, StaticKVCacheParams) and static.compile:
-            return "static_kv_cache already compiles the step (compile: true); keep one of the two"
-        return None
+        return graphs_twice(earlier)
 
     def apply(self, engine: Engine) -> None:
         inner_factory = engine.decoder_factory

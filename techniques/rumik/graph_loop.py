@@ -18,7 +18,7 @@ from pydantic import Field
 from orchestrator.config import SamplingConfig
 from orchestrator.families.rumik.engine import Engine, Generation, timed_since, token_budget
 from orchestrator.technique import Technique, TechniqueParams
-from techniques.rumik.cuda_graph import GraphedDecoder
+from techniques.rumik.cuda_graph import GraphedDecoder, graphs_twice
 from techniques.rumik.static_kv_cache import StaticDecoder
 
 
@@ -147,6 +147,12 @@ class GraphLoop(Technique):
     conflicts = ("cuda_graph",)
     summary = "Whole decode step (+head, stop head, sampler) in one graph; no per-token sync."
     Params = GraphLoopParams
+
+    @classmethod
+    def check_stack(
+        cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]
+    ) -> str | None:
+        return graphs_twice(earlier)
 
     def apply(self, engine: Engine) -> None:
         engine.notes["graph_loop"] = self.params

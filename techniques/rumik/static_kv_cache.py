@@ -63,7 +63,10 @@ class StaticDecoder:
             # of refusing the graph for "mutated inputs" (seen on the H200 without this).
             torch._dynamo.mark_static_address(self.k)
             torch._dynamo.mark_static_address(self.v)
-            self._step = torch.compile(self._forward, mode=compile_mode, fullgraph=True)
+            # reduce-overhead needs one whole graph; under an outer CUDA graph (cuda_graph,
+            # graph_loop) a graph break around a Triton launch is harmless.
+            full = compile_mode == "reduce-overhead"
+            self._step = torch.compile(self._forward, mode=compile_mode, fullgraph=full)
 
     def reset(self) -> None:
         self.pos = 0  # stale cache entries beyond pos are masked, never read
