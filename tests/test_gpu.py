@@ -83,6 +83,15 @@ EXACT_128 = {
         ("fused_rope_norm", {}),
         ("cuda_graph", {}),
     ],
+    "pdl_technique": [  # PDL on every Triton kernel of an exact stack, captured
+        ("static_kv_cache", {}),
+        ("packed_projections", {}),
+        ("decode_attention", {}),
+        ("audio_head", {}),
+        ("fused_rope_norm", {}),
+        ("pdl", {}),
+        ("cuda_graph", {}),
+    ],
 }
 
 
@@ -248,3 +257,32 @@ def test_int6_stack_generates_in_graph_loop(case128):
     assert a.stop_reason == "length_policy" and len(a.tokens) == 48 and a.tokens == b.tokens
     vocab = model.vocab
     assert all(vocab.first_unit_id <= t <= vocab.last_unit_id for t in a.tokens)
+
+
+# ------------------------------------------------------------------------------ PDL
+
+
+def test_pdl_technique_full_stack_matches_without_pdl(case128):
+    """exp74-full (int8 + fused glue + PDL everywhere, graph_loop) generates the tokens the
+    same stack without PDL generates: PDL changes launch overlap, not results."""
+    model, prompt, _ = case128
+    body = [
+        ("static_kv_cache", {}),
+        ("int8_projections", {}),
+        ("decode_attention", {}),
+        ("codebook_head", {}),
+        ("fused_rope_norm", {}),
+        ("device_sampler", {}),
+    ]
+    with_pdl = build(model, [*body, ("pdl", {}), ("graph_loop", {})])
+    assert with_pdl.notes["pdl_switched"] == [
+        "int8_projections",
+        "decode_attention",
+        "device_sampler",
+        "fused_rope_norm",
+    ]
+    without = build(model, [*body, ("graph_loop", {})])
+    a, b = _generate(with_pdl, prompt, 6, seed=42), _generate(without, prompt, 6, seed=42)
+    assert a.stop_reason == "length_policy" and len(a.tokens) == 48
+    same = sum(x == y for x, y in zip(a.tokens, b.tokens, strict=True)) / len(a.tokens)
+    assert same >= 0.9, (a.tokens, b.tokens)  # bitwise equal unless a bf16 tie flips a draw

@@ -50,8 +50,9 @@ class DecodeAttention(Technique):
                 window=window or 0,
                 num_splits=p.num_splits,
                 block_s=p.block_s,
-                launch_pdl=p.pdl,
+                launch_pdl=attend.pdl,  # type: ignore[attr-defined]
             )
             return out.unsqueeze(2)
 
+        attend.pdl = p.pdl  # type: ignore[attr-defined]  # the pdl technique switches it on
         engine.attention = attend

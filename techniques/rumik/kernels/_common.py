@@ -66,14 +66,21 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 
 def pdl_enabled(launch_pdl: bool, device: torch.device) -> bool:
-    """Programmatic dependent launch only where it exists: a Hopper+ GPU, not the interpreter.
+    """Programmatic dependent launch where it exists: a Hopper+ GPU. Off under the interpreter
+    (CPU tests); requested on an older GPU it is an error, never a silent no-op.
 
     The kernels call gdc_wait()/gdc_launch_dependents() behind a constexpr that is this value,
     so the interpreter and pre-Hopper GPUs never meet those instructions.
     """
     if not launch_pdl or interpreting() or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:  # asked for and absent: refuse rather than silently launch without it
+        raise ValueError(
+            f"launch_pdl=True needs a Hopper GPU (sm_90+); {torch.cuda.get_device_name(device)} "
+            f"is sm_{major}{minor}"
+        )
+    return True
 
 
 def launch_options(use_pdl: bool, num_warps: int = 4, num_stages: int = 1) -> dict[str, object]:

@@ -1,0 +1,54 @@
+"""The pdl technique: refused without Hopper, never a silent no-op, switches every kernel part.
+
+CPU-only checks of validation and wiring; tests/test_gpu.py runs PDL stacks on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import StackSpec, TechniqueRef
+from orchestrator.families.rumik import FAMILY
+from orchestrator.families.rumik.engine import stock_engine
+from orchestrator.registry import StackError, build_stack
+from orchestrator.technique import DeviceCaps
+from techniques.rumik.pdl import PDL
+
+
+def stack(*names: str) -> StackSpec:
+    return StackSpec(name="t", techniques=[TechniqueRef(name=n) for n in names])
+
+
+def test_pdl_refused_or_skipped_without_hopper():
+    names = ("static_kv_cache", "int8_projections", "pdl")
+    on_cpu = build_stack(stack(*names), DeviceCaps("cpu"))
+    assert "needs a Hopper GPU (sm_90)" in on_cpu.skipped["pdl"]
+    a100 = DeviceCaps("cuda", (8, 0), "NVIDIA A100")
+    built = build_stack(stack(*names), a100)
+    assert [t.name for t in built.techniques] == ["static_kv_cache", "int8_projections"]
+    assert "sm_80" in built.skipped["pdl"] and built.partial
+    with pytest.raises(StackError, match="'pdl' cannot run here: needs a Hopper GPU"):
+        build_stack(stack(*names), a100, strict=True)
+    h200 = DeviceCaps("cuda", (9, 0), "NVIDIA H200")
+    assert [t.name for t in build_stack(stack(*names), h200).techniques][-1] == "pdl"
+
+
+def test_pdl_needs_a_kernel_technique_before_it():
+    with pytest.raises(StackError, match="'pdl': no Triton kernel technique comes before it"):
+        build_stack(stack("static_kv_cache", "packed_projections", "pdl"))
+    with pytest.raises(StackError, match="no Triton kernel technique"):
+        build_stack(stack("pdl", "static_kv_cache", "int8_projections"))
+
+
+def test_pdl_switches_every_kernel_part_on(tiny_model):
+    names = ("static_kv_cache", "int8_projections", "fused_rope_norm", "device_sampler", "pdl")
+    eng = FAMILY.build_engine(tiny_model, build_stack(stack(*names)))
+    assert eng.projections.pdl is True and eng.sampler.pdl is True and eng.notes["pdl"] is True
+    assert eng.notes["pdl_switched"] == ["int8_projections", "device_sampler", "fused_rope_norm"]
+    assert build_stack(stack(*names)).exact is False  # int8 and the sampler, not pdl
+    assert PDL.exact is True
+
+
+def test_pdl_with_nothing_to_switch_is_an_error(tiny_model):
+    with pytest.raises(RuntimeError, match="no part of this engine launches Triton kernels"):
+        PDL(PDL.Params()).apply(stock_engine(tiny_model))
