@@ -125,12 +125,14 @@ def run_job(job: JobSpec) -> ResultRecord:
             done += 1
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
 
+    launches = _launch_metrics(family, engines, results, wl, device)
     env = environment.capture(job.model.device, family.config_hash(model))
     for name, res in results.items():
         res.metrics = summarize(res.utterances)
         res.metrics.update(point_metrics(res.utterances, wl))
         if name in engines:
             res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
+            res.metrics.update(launches.get(name, {}))
     statuses = {r.status for r in results.values()}
     status = (
         "finished"
@@ -190,6 +192,33 @@ def _floor_metrics(
     if copy_gb_s:
         out["floor_ms_per_token"] = nbytes / (copy_gb_s * 1e9) * 1e3
         out["fraction_of_floor"] = out["floor_ms_per_token"] / res.metrics["ms_per_token"]
+    return out
+
+
+def _launch_metrics(
+    family: Any,
+    engines: dict[str, Any],
+    results: dict[str, StackResult],
+    wl: Any,
+    device: torch.device,
+) -> dict[str, dict[str, float]]:
+    """kernels_per_step and launches_per_step per stack (GPU only), after the timed rounds
+    so the profiler cannot disturb them. A failed count is reported, not fatal."""
+    count = getattr(family, "launches_per_step", None)
+    if count is None or device.type != "cuda":
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for name, engine in engines.items():
+        if results[name].status == "failed":
+            continue
+        emit("status", message=f"counting kernel launches per step: {name}")
+        try:
+            counts = count(engine, wl.prompts[0].text, wl.seeds[0], wl)
+        except Exception as exc:
+            emit("status", message=f"launch count for {name} failed: {_describe(exc)}")
+            continue
+        if counts:
+            out[name] = counts
     return out
 
 

@@ -286,3 +286,63 @@ def test_pdl_technique_full_stack_matches_without_pdl(case128):
     assert a.stop_reason == "length_policy" and len(a.tokens) == 48
     same = sum(x == y for x, y in zip(a.tokens, b.tokens, strict=True)) / len(a.tokens)
     assert same >= 0.9, (a.tokens, b.tokens)  # bitwise equal unless a bf16 tie flips a draw
+
+
+# ----------------------------------------------------------- kernel launches per step
+
+
+def test_graph_kernel_nodes_and_profiler_agree():
+    from orchestrator.launches import count_launches, graph_kernel_nodes
+
+    x = torch.randn(1024, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        y = x * 2
+        y = y + 1
+        y = torch.sin(y)
+    graph.instantiate()
+    assert graph_kernel_nodes(graph) == 3
+    counts = count_launches(graph.replay, torch.device("cuda"))
+    assert counts == {"kernels": 3, "launches": 1}, counts
+
+
+def test_launches_per_step(case128):
+    """Eager stock issues one host launch per kernel; graphs replace them with one launch;
+    fused_rope_norm cuts kernels per step; graph_loop leaves one launch per token."""
+    from orchestrator.config import Prompt, Workload
+
+    model, _, _ = case128
+    wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])
+
+    def per_step(techniques):
+        eng = stock_engine(model) if techniques is None else build(model, techniques)
+        return FAMILY.launches_per_step(eng, wl.prompts[0].text, 3, wl)
+
+    stock = per_step(None)
+    assert stock["kernels_per_step"] > 50
+    assert stock["launches_per_step"] >= 0.5 * stock["kernels_per_step"], stock
+    graphed = [
+        ("static_kv_cache", {}),
+        ("packed_projections", {}),
+        ("decode_attention", {}),
+        ("audio_head", {}),
+        ("cuda_graph", {}),
+    ]
+    g = per_step(graphed)
+    assert g["launches_per_step"] < g["kernels_per_step"], g
+    fused = per_step([*graphed[:-1], ("fused_rope_norm", {}), ("cuda_graph", {})])
+    assert fused["kernels_per_step"] < g["kernels_per_step"], (fused, g)
+    loop = per_step(
+        [
+            ("static_kv_cache", {}),
+            ("int8_projections", {}),
+            ("decode_attention", {}),
+            ("codebook_head", {}),
+            ("fused_rope_norm", {}),
+            ("device_sampler", {}),
+            ("pdl", {}),
+            ("graph_loop", {}),
+        ]
+    )
+    assert loop["launches_per_step"] <= 1.5 and loop["kernels_per_step"] > 10, loop

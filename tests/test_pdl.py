@@ -1,4 +1,4 @@
-"""The pdl technique: refused without Hopper, never a silent no-op, switches every kernel part.
+"""The pdl technique (refused without Hopper, never a silent no-op) and launch counting.
 
 CPU-only checks of validation and wiring; tests/test_gpu.py runs PDL stacks on the H200.
 """
@@ -52,3 +52,20 @@ def test_pdl_switches_every_kernel_part_on(tiny_model):
 def test_pdl_with_nothing_to_switch_is_an_error(tiny_model):
     with pytest.raises(RuntimeError, match="no part of this engine launches Triton kernels"):
         PDL(PDL.Params()).apply(stock_engine(tiny_model))
+
+
+# ------------------------------------------------------- launches per step (None on a CPU)
+
+
+def test_launch_counts_are_gpu_only(tiny_model):
+    import torch
+
+    from orchestrator.config import Workload
+    from orchestrator.launches import count_launches, per_step
+
+    cpu = torch.device("cpu")
+    assert count_launches(lambda: None, cpu) is None
+    assert per_step(lambda frames: frames * 8, cpu) is None
+    eng = FAMILY.build_engine(tiny_model, build_stack(stack("static_kv_cache")))
+    wl = Workload(name="w", prompts=[{"id": "a", "text": "Hello there."}], seeds=[1])
+    assert FAMILY.launches_per_step(eng, "Hello there.", 1, wl) is None

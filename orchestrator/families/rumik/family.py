@@ -60,6 +60,23 @@ class RumikFamily:
         )
         return int(weights() + head + small + kv)
 
+    def launches_per_step(
+        self, engine: Engine, text: str, seed: int, workload: Workload
+    ) -> dict[str, float] | None:
+        """Kernels and host launch calls per decode step of this engine's token loop (GPU
+        only; None on a CPU). See orchestrator/launches.py."""
+        from orchestrator.launches import per_step
+
+        model = engine.model
+        prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
+
+        def run(frames: int) -> int:
+            gen = torch.Generator(device=model.device).manual_seed(seed)
+            with torch.inference_mode():
+                return len(engine.loop(engine, prompt_ids, frames, workload.sampling, gen).tokens)
+
+        return per_step(run, torch.device(model.device))
+
     @torch.inference_mode()
     def synthesize(self, engine: Engine, text: str, seed: int, workload: Workload) -> Synthesis:
         """Timer scope: prompt construction -> completed CPU waveform, codec included."""
