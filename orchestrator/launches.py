@@ -75,8 +75,8 @@ def graph_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int:
     cuda-bindings' cudaGraphGetNodes / cudaGraphNodeGetType."""
     from cuda.bindings import runtime as cudart
 
-    raw = cudart.cudaGraph_t(init_value=graph.raw_cuda_graph())
-    err, _, n = cudart.cudaGraphGetNodes(raw, 0)
+    raw = graph.raw_cuda_graph()
+    err, _, n = cudart.cudaGraphGetNodes(raw)
     _check(cudart, err, "cudaGraphGetNodes")
     err, nodes, n = cudart.cudaGraphGetNodes(raw, n)
     _check(cudart, err, "cudaGraphGetNodes")
@@ -85,7 +85,7 @@ def graph_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int:
     for node in nodes[:n]:
         err, kind = cudart.cudaGraphNodeGetType(node)
         _check(cudart, err, "cudaGraphNodeGetType")
-        count += kind == kernel
+        count += int(kind) == int(kernel)
     return count
 
 
