@@ -184,6 +184,11 @@ class StackSpec(Strict):
     family: Literal["rumik", "omnivoice"] = "rumik"
     description: str = ""
     techniques: list[TechniqueRef] = Field(default_factory=list)
+    baseline: bool = Field(
+        False,
+        description="A second baseline (what a user would pick instead of stock): every "
+        "other stack in a run with it also reports its speedup against this one.",
+    )
 
     @model_validator(mode="after")
     def _no_repeats(self) -> StackSpec:

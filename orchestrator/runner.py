@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator import metrics
 from orchestrator.plan import identity
-from orchestrator.records import JobSpec, ResultRecord
+from orchestrator.records import JobSpec, ResultRecord, StackResult
 
 
 class WorkerFailed(RuntimeError):
@@ -43,14 +43,25 @@ class Outcome:
 
 
 def comparisons(result: ResultRecord) -> dict[str, dict[str, float]]:
-    """Each stack against the job's first stack (the baseline), from unrounded values."""
+    """Each stack against the job's first stack (the baseline), from unrounded values, and
+    against every other stack declared `baseline: true` (keys ending `_vs_NAME`)."""
     base = result.results[0]
-    return {
-        r.stack.name: metrics.compare(base.utterances, r.utterances)
-        | metrics.compare_s(base.metrics, r.metrics)
-        for r in result.results[1:]
-        if r.utterances and base.utterances
-    }
+    others = [r for r in result.results[1:] if r.stack.baseline and r.utterances]
+    out: dict[str, dict[str, float]] = {}
+    for r in result.results[1:]:
+        if not (r.utterances and base.utterances):
+            continue
+        out[r.stack.name] = _against(base, r)
+        for ref in (o for o in others if o is not r):
+            for key, value in _against(ref, r).items():
+                out[r.stack.name][f"{key.removesuffix('_vs_baseline')}_vs_{ref.stack.name}"] = value
+    return out
+
+
+def _against(base: StackResult, cand: StackResult) -> dict[str, float]:
+    return metrics.compare(base.utterances, cand.utterances) | metrics.compare_s(
+        base.metrics, cand.metrics
+    )
 
 
 def spawn_worker(

@@ -20,18 +20,29 @@ COLUMNS = [
 
 
 def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
-    """stacks: [{name, status, exact, metrics: {...}, skipped: {...}}], baseline first."""
+    """stacks: [{name, status, exact, metrics: {...}, skipped: {...}}], baseline first.
+
+    Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
+    declared `baseline: true`) appear when some stack has them."""
     table = Table(title=title)
     table.add_column("stack")
     table.add_column("status")
-    for _, header, _ in COLUMNS:
+    present = {k for s in stacks for k in s.get("metrics", {})}
+    refs = sorted(
+        k.removeprefix("speedup_vs_")
+        for k in present
+        if k.startswith("speedup_vs_") and k != "speedup_vs_baseline"
+    )
+    columns = COLUMNS + [("S", "S", "{:.4f}")] * ("S" in present)
+    columns += [(f"speedup_vs_{r}", f"vs {r}", "{:.2f}x") for r in refs]
+    for _, header, _ in columns:
         table.add_column(header, justify="right")
     table.add_column("valid", justify="right")
     table.add_column("exact")
     for i, s in enumerate(stacks):
         m = s.get("metrics", {})
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             if key == "speedup_vs_baseline" and i == 0:
                 cells.append("baseline")
             else:

@@ -525,3 +525,20 @@ def test_parallel_writers_do_not_hit_locked_database(url: str) -> None:
     with Store(url) as store:
         assert store.count("runs") == 20 and store.count("stacks") == 2
         assert {r["status"] for r in store.list_runs(limit=50)} == {"FINISHED"}
+
+
+def test_every_stack_is_also_compared_with_a_declared_second_baseline(make_result_record):
+    from orchestrator.runner import comparisons
+
+    result = make_result_record()
+    stock, fast = result.results
+    b = fast.model_copy(
+        update={"stack": fast.stack.model_copy(update={"name": "b", "baseline": True})}
+    )
+    b.utterances = [u.model_copy(update={"latency_s": 2 * u.latency_s}) for u in fast.utterances]
+    result = result.model_copy(update={"results": [stock, b, fast]})
+    comps = comparisons(result)
+    assert comps["fast"]["speedup_vs_baseline"] == pytest.approx(2.0)  # the fixture's scale
+    assert comps["fast"]["paired_median_speedup_vs_b"] == pytest.approx(2.0)
+    assert comps["b"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert not any(k.endswith("_vs_b") for k in comps["b"])  # not against itself
