@@ -17,6 +17,10 @@ from orchestrator.records import EnvironmentInfo
 
 
 def git_state() -> tuple[str | None, bool | None]:
+    """(commit, dirty). ORCHESTRATE_CODE_SHA wins when set: a copied tree (a GPU host's
+    snapshot) may sit inside another checkout whose HEAD is not the code that runs."""
+    if os.environ.get("ORCHESTRATE_CODE_SHA"):
+        return os.environ["ORCHESTRATE_CODE_SHA"], None
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"],
