@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with the project, its dev tools and the offline quality scorers.
-# CPU torch first: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+# torch and torchaudio first, as one consistent pair: 2.11.0 is the GPU image's version, and
+# the newest torchaudio on PyPI does not load beside a newer CPU-only torch (the OmniVoice
+# family imports it). On a CPU-only machine the CUDA build simply runs on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v flite >/dev/null 2>&1; then  # several test voices for speaker-similarity tests
@@ -12,5 +14,6 @@ if ! command -v flite >/dev/null 2>&1; then  # several test voices for speaker-s
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,quality]"
+.venv/bin/python -m pip install -q "torch==2.11.0" "torchaudio==2.11.0"
+.venv/bin/python -m pip install -q -e ".[dev,quality,omnivoice]"
+.venv/bin/python -m pip install -q --no-deps "omnivoice==0.2.1"
