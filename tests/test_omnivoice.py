@@ -353,18 +353,23 @@ def test_cli_run_end_to_end(tmp_path):
 
 
 @pytest.mark.gpu
-def test_compiled_recipe_runs_on_cuda():
+def test_compiled_forward_matches_eager_on_cuda():
+    """torch_compile claims exactness up to summation order: its forward must match the
+    package's eager forward on a real CFG batch. (Whole-loop codes are not compared: an
+    argmax or Gumbel tie flipped by a last-bit difference changes every later step.)"""
+    from orchestrator.families.omnivoice.engine import build_cfg_batch
+
     family = get_family("omnivoice")
     model = family.build_model(ModelSpec(family="omnivoice", preset="tiny", device="cuda"))
-    eng = engine_for(
-        family,
-        model,
-        {"name": "num_step", "params": {"value": 10}},
-        {"name": "torch_compile"},
-        caps=DeviceCaps.probe("cuda"),
-    )
+    eng = engine_for(family, model, {"name": "torch_compile"}, caps=DeviceCaps.probe("cuda"))
     ref = stock_engine(model, reimplemented=True)
-    ref.knobs["num_step"] = 10
-    for _ in range(3):  # compile and capture this shape
-        codes(eng)
-    assert torch.equal(codes(eng)[0], codes(ref)[0])
+    task = model.ov._preprocess_all(text=[TEXT])
+    batch = build_cfg_batch(ref, task, ref.config())
+    args = (batch.input_ids, batch.audio_mask, batch.attention_mask)
+    with torch.inference_mode():
+        want = ref.forward(*args).float()
+        for _ in range(3):  # compile, record the CUDA graph, replay it
+            got = eng.forward(*args).float()
+    assert float((got - want).abs().max() / want.std()) < 1e-3
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.99
+    assert codes(eng)[0].shape == codes(ref)[0].shape  # the loop runs through it end to end
