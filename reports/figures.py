@@ -4,7 +4,9 @@
   step line, alerts hollow red and unverified points hollow grey;
 - pareto.png: speedup against a quality delta vs stock, the Pareto set joined;
 - quality_screen.png: stock vs candidates on WER, CER, MOS and SIM (one scored run);
-- holdout_deltas.png: each holdout evaluation's delta vs stock against the gate bands.
+- holdout_deltas.png: each holdout evaluation's delta vs stock against the gate bands;
+- ladder.png: the newest run's stacks, speed (S or RTF) with speedups vs A and B;
+- throughput.png: utterances/s against batch size, one line per serving path.
 manifest.json records which runs, protocol and database every figure came from.
 """
 
@@ -19,6 +21,7 @@ from orchestrator.holdout import list_audits
 from orchestrator.records import utcnow
 from orchestrator.scoring_run import StackQuality, load_rows, stack_quality
 from reports.frontier import Frontier, collect
+from reports.ladder import Rung, ladder, throughput
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -223,6 +226,37 @@ def _gate_band(
         span(-reach, lo, color=RED, alpha=0.6, zorder=0)
 
 
+def ladder_figure(rungs: list[Rung], path: Path, title: str) -> Path:
+    """Horizontal bars, fastest at the bottom; each labelled with its speedups."""
+    plt = _pyplot()
+    rungs = sorted(rungs, key=lambda r: -r.value)
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rungs) + 1.5))
+    colors = [PASS if r.exact else GREY for r in rungs]
+    ax.barh([r.stack for r in rungs], [r.value for r in rungs], color=colors)
+    ax.set_xscale("log")
+    for i, r in enumerate(rungs):
+        label = "  " + " · ".join(f"{x:.2f}x vs {ref}" for ref, x in r.speedups.items())
+        ax.text(r.value, i, label, va="center", fontsize=8)
+    ax.set_xlabel(f"{rungs[0].metric} (log scale; lower is faster; grey: approximate)")
+    ax.set_title(title)
+    ax.set_xlim(right=max(r.value for r in rungs) * 40)  # room for the labels
+    return _save(fig, path)
+
+
+def throughput_figure(data: dict[str, dict[int, float]], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in data.items():
+        sizes = list(points)
+        ax.plot(sizes, [points[b] for b in sizes], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("utterances / s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -314,6 +348,32 @@ def render_all(
         manifest["figures"]["holdout_deltas.png"] = {"runs": [e["run_id"] for e in evaluations]}
     else:
         manifest["skipped"]["holdout_deltas.png"] = "no scored holdout evaluation"
+    _serving_figures(store, workload, out_dir, data.hardware, manifest)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     return manifest
+
+
+def _serving_figures(
+    store: Store, workload: str, out_dir: Path, hardware: str | None, manifest: dict[str, Any]
+) -> None:
+    from orchestrator.protocol import split_phase
+
+    runs = [
+        r
+        for r in sorted(store.list_runs(limit=10_000), key=lambda r: (r["started_at"], r["id"]))
+        if split_phase(r["workload_name"])[0] == workload and r["status"] in ("FINISHED", "PARTIAL")
+    ]
+    rungs = ladder(store.get_result(runs[-1]["id"])) if runs else []
+    if len(rungs) > 1:
+        title = f"Ladder · run {runs[-1]['id'][:8]} · {workload}"
+        ladder_figure(rungs, out_dir / "ladder.png", title)
+        manifest["figures"]["ladder.png"] = {"runs": [runs[-1]["id"]]}
+    else:
+        manifest["skipped"]["ladder.png"] = "no finished run with two stacks"
+    data = throughput(store, workload, hardware)
+    if any(len(points) > 1 for points in data.values()):
+        throughput_figure(data, out_dir / "throughput.png", f"Serving throughput · {workload}")
+        manifest["figures"]["throughput.png"] = {"paths": sorted(data)}
+    else:
+        manifest["skipped"]["throughput.png"] = "no serving path measured at two batch sizes"

@@ -345,3 +345,47 @@ def test_noise_gate_ledger_frontier_figures_on_the_tiny_model(tmp_path: Path) ->
     sealed = cli(["run", "--stack", "cpu-fast", "--workload", "holdout.yaml", "--no-mlflow"],
                  env, tmp_path, ok=False)  # fmt: skip
     assert sealed.returncode == 2 and "sealed_holdout" in sealed.stderr
+
+
+def test_ladder_and_throughput_figures_from_stored_records(tmp_path, make_result_record):
+    from orchestrator.config import TechniqueRef
+    from orchestrator.runner import comparisons
+    from orchestrator.store import Store
+    from reports.figures import render_all
+    from reports.ladder import ladder, throughput
+
+    result = make_result_record(job_id="ladder01")
+    stock, fast = result.results
+
+    def batched(size: int, latency_scale: float):
+        spec = fast.stack.model_copy(
+            update={
+                "name": f"fast-b{size}",
+                "techniques": [
+                    *fast.stack.techniques,
+                    TechniqueRef(name="batch", params={"size": size}),
+                ],
+            }
+        )
+        metrics = fast.metrics | {
+            "median_latency_s": fast.metrics["median_latency_s"] * latency_scale
+        }
+        return fast.model_copy(update={"stack": spec, "metrics": metrics})
+
+    b = stock.model_copy(
+        update={"stack": stock.stack.model_copy(update={"name": "b", "baseline": True})}
+    )
+    result = result.model_copy(update={"results": [stock, b, fast, batched(4, 2.0)]})
+    rungs = {r.stack: r for r in ladder(result)}
+    assert rungs["fast"].metric == "rtf" and rungs["fast"].speedups["stock"] == pytest.approx(2.0)
+    assert rungs["fast"].speedups["b"] == pytest.approx(2.0)  # b is stock's twin
+    with Store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        store.ingest(result, comparisons(result))
+        data = throughput(store, "smoke")
+        path = next(p for p in data if "batch" not in p and p != "stock")
+        # batch 4 at twice the latency: twice the utterances per second of batch 1
+        assert data[path][4] == pytest.approx(2 * data[path][1])
+        manifest = render_all(store, Protocol(), "smoke", tmp_path / "fig")
+    assert (tmp_path / "fig" / "ladder.png").stat().st_size > 0
+    assert (tmp_path / "fig" / "throughput.png").stat().st_size > 0
+    assert manifest["figures"]["ladder.png"]["runs"]
