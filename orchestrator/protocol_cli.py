@@ -411,7 +411,7 @@ def figures(
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Draw frontier, Pareto, quality screen and holdout-delta figures from stored records."""
+    """Draw frontier, Pareto, quality screen, holdout-delta, ladder and throughput figures."""
     from reports.figures import render_all
 
     try:

@@ -239,7 +239,7 @@ def ladder_figure(rungs: list[Rung], path: Path, title: str) -> Path:
         ax.text(r.value, i, label, va="center", fontsize=8)
     ax.set_xlabel(f"{rungs[0].metric} (log scale; lower is faster; grey: approximate)")
     ax.set_title(title)
-    ax.set_xlim(right=max(r.value for r in rungs) * 40)  # room for the labels
+    ax.set_xlim(right=max(r.value for r in rungs) * 12)  # room for the labels
     return _save(fig, path)
 
 
