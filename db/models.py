@@ -172,6 +172,9 @@ class Utterance(Base):
     finite: Mapped[bool] = mapped_column(Boolean)
     peak_abs: Mapped[float] = mapped_column(Float)
     clipped_samples: Mapped[int] = mapped_column(Integer)
+    forward_passes: Mapped[int | None] = mapped_column(Integer)
+    forward_bytes: Mapped[float | None] = mapped_column(Float)
+    forward_flops: Mapped[float | None] = mapped_column(Float)
 
 
 class Metric(Base):

@@ -96,7 +96,29 @@ def copy_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
     return 2 * nbytes / statistics.median(times[1:]) / 1e9
 
 
-def capture(device: str, model_config_hash: str) -> EnvironmentInfo:
+def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Median throughput of a square matmul (8192 on a GPU, 1024 on a CPU): the compute
+    ceiling a per-step floor is measured against, on random data as models see it."""
+    dev = torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+    n = 8192 if dev.type == "cuda" else 1024
+    dtype = dtype if dev.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    times = []
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times[1:]) / 1e12
+
+
+def capture(
+    device: str, model_config_hash: str, dtype: torch.dtype | None = None
+) -> EnvironmentInfo:
     """Read once per job, after warm-up, so the clocks are the ones the timing ran at."""
     cuda = device == "cuda" and torch.cuda.is_available()
     smi = _nvidia_smi() if cuda else {}
@@ -116,6 +138,7 @@ def capture(device: str, model_config_hash: str) -> EnvironmentInfo:
         power_w=smi.get("power"),  # type: ignore[arg-type]
         gpu_count=torch.cuda.device_count() if cuda else 0,
         copy_gb_s=copy_bandwidth_gb_s(device),
+        matmul_tflop_s=matmul_tflop_s(device, dtype) if dtype is not None else None,
         cpu_count=os.cpu_count() or 1,
         git_sha=sha,
         git_dirty=dirty,

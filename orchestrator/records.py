@@ -84,6 +84,9 @@ class EnvironmentInfo(Record):
     mem_clock_mhz: float | None = None
     power_w: float | None = None
     gpu_count: int = 0
+    matmul_tflop_s: float | None = Field(
+        None, description="Measured dense matmul throughput in the model's dtype."
+    )
     copy_gb_s: float | None = Field(
         None, description="Measured copy bandwidth (bytes read + written): the floor's ceiling."
     )
@@ -113,6 +116,13 @@ class UtteranceRecord(Record):
     audio_s: float
     stop_reason: Literal["end_token", "stop_head", "length_policy", "token_cap"]
     audio_path: str | None = None
+    forward_passes: int | None = Field(
+        None, description="Whole-sequence forwards run (OmniVoice: unmasking steps)."
+    )
+    forward_bytes: float | None = Field(
+        None, description="Least bytes one of those forwards must read (weights once)."
+    )
+    forward_flops: float | None = Field(None, description="FLOPs of one of those forwards.")
     # Integrity, computed on the waveform (scoring proper runs later, on saved audio).
     finite: bool = True
     peak_abs: float = 0.0

@@ -119,6 +119,9 @@ def run_job(job: JobSpec) -> ResultRecord:
                     stop_reason=syn.stop_reason,  # type: ignore[arg-type]
                     audio_path=audio_path,
                     time_to_first_audio_s=ttfa,
+                    forward_passes=syn.forward_passes,
+                    forward_bytes=syn.forward_bytes,
+                    forward_flops=syn.forward_flops,
                     **integrity(syn.audio),
                 )
             )
@@ -126,13 +129,14 @@ def run_job(job: JobSpec) -> ResultRecord:
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
 
     launches = _launch_metrics(family, engines, results, wl, device)
-    env = environment.capture(job.model.device, family.config_hash(model))
+    env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
     for name, res in results.items():
         res.metrics = summarize(res.utterances)
         res.metrics.update(point_metrics(res.utterances, wl))
         if name in engines:
             res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
             res.metrics.update(launches.get(name, {}))
+            res.metrics.update(_forward_metrics(res, env))
     statuses = {r.status for r in results.values()}
     status = (
         "finished"
@@ -192,6 +196,34 @@ def _floor_metrics(
     if copy_gb_s:
         out["floor_ms_per_token"] = nbytes / (copy_gb_s * 1e9) * 1e3
         out["fraction_of_floor"] = out["floor_ms_per_token"] / res.metrics["ms_per_token"]
+    return out
+
+
+def _dtype(job: JobSpec) -> torch.dtype:
+    return getattr(torch, job.model.dtype)
+
+
+def _forward_metrics(res: StackResult, env: Any) -> dict[str, float]:
+    """Families that run whole-sequence forwards (OmniVoice's unmasking steps): time per
+    forward against its floor, max(bytes / copy bandwidth, FLOPs / matmul throughput)."""
+    utts = [u for u in res.utterances if u.forward_passes and u.forward_bytes]
+    if not utts:
+        return {}
+    ms = [1e3 * u.lm_s / u.forward_passes for u in utts]  # type: ignore[operator]
+    out = {
+        "forwards_per_utterance": statistics.median(u.forward_passes for u in utts),  # type: ignore[misc]
+        "ms_per_forward": statistics.median(ms),
+        "gb_per_forward": statistics.median(u.forward_bytes for u in utts) / 1e9,  # type: ignore[misc]
+        "tflop_per_forward": statistics.median(u.forward_flops or 0 for u in utts) / 1e12,
+    }
+    if env.copy_gb_s and env.matmul_tflop_s:
+        floors = [
+            1e3 * max(u.forward_bytes / (env.copy_gb_s * 1e9),  # type: ignore[operator]
+                      (u.forward_flops or 0) / (env.matmul_tflop_s * 1e12))
+            for u in utts
+        ]  # fmt: skip
+        out["floor_ms_per_forward"] = statistics.median(floors)
+        out["forward_fraction_of_floor"] = out["floor_ms_per_forward"] / out["ms_per_forward"]
     return out
 
 

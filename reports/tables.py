@@ -33,7 +33,15 @@ def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
         for k in present
         if k.startswith("speedup_vs_") and k != "speedup_vs_baseline"
     )
-    columns = COLUMNS + [("S", "S", "{:.4f}")] * ("S" in present)
+    # A column no stack has (per-token floors on OmniVoice, say) is left out, not dashed.
+    always = {"median_latency_s", "rtf", "speedup_vs_baseline"}
+    columns = [c for c in COLUMNS if c[0] in present or c[0] in always]
+    columns += [("S", "S", "{:.4f}")] * ("S" in present)
+    if "ms_per_forward" in present:  # whole-sequence forwards (OmniVoice's steps)
+        columns += [
+            ("ms_per_forward", "ms/fwd", "{:.2f}"),
+            ("forward_fraction_of_floor", "fwd of floor", "{:.0%}"),
+        ]
     columns += [(f"speedup_vs_{r}", f"vs {r}", "{:.2f}x") for r in refs]
     for _, header, _ in columns:
         table.add_column(header, justify="right")

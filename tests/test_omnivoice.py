@@ -286,6 +286,38 @@ def test_cfg_late_off_really_runs_fewer_rows(family, model):
     assert zero.notes["last"]["rows_run"] == 64
 
 
+def test_each_synthesis_reports_its_forwards_and_their_floor(family, model):
+    from orchestrator.families.omnivoice.cost import forward_cost
+
+    wl = workload()
+    stock = family.synthesize(stock_engine(model), wl.prompts[0].text, 11, wl)
+    late = engine_for(family, model, {"name": "cfg_late_off", "params": {"from_fraction": 0.5}})
+    half = family.synthesize(late, wl.prompts[0].text, 11, wl)
+    assert stock.forward_passes == half.forward_passes == 32  # the package's default
+    # CFG off for half the steps: 1.5 rows per forward on average instead of 2
+    assert half.forward_flops < stock.forward_flops
+    assert half.forward_bytes == stock.forward_bytes  # the weights are read either way
+    seq = stock.prompt_tokens + stock.frames
+    assert (stock.forward_bytes, stock.forward_flops) == forward_cost(model.ov, 2, seq)
+    assert half.forward_flops == pytest.approx(forward_cost(model.ov, 1.5, seq)[1])
+
+
+def test_real_shape_forward_cost_by_hand():
+    """The real preset on the meta device: 28 layers x 15.73M + 8200 x 1024 head params."""
+    from omnivoice import OmniVoice, OmniVoiceConfig
+    from transformers import Qwen3Config
+
+    from orchestrator.families.omnivoice.cost import forward_cost
+    from orchestrator.families.omnivoice.presets import OMNIVOICE
+
+    with torch.device("meta"):
+        ov = OmniVoice(OmniVoiceConfig(llm_config=Qwen3Config(**OMNIVOICE.llm))).bfloat16()
+    params = 28 * 15_730_944 + 8200 * 1024
+    nbytes, flops = forward_cost(ov, 2, 300)
+    assert nbytes == 2 * params
+    assert flops == 2 * params * 600 + 4 * 2 * 300**2 * 2048 * 28
+
+
 def test_confidence_parallel_exits_early(family, model):
     # threshold 1e-6: every masked position qualifies, so step 0 commits all of them
     eng = engine_for(

@@ -230,7 +230,7 @@ def test_figures_are_drawn_from_stored_records(history: Store, tmp_path: Path) -
     out = tmp_path / "figures"
     manifest = figures.render_all(history, PROTOCOL, "smoke", out)
     assert set(manifest["figures"]) == {
-        "frontier.png", "pareto.png", "quality_screen.png", "holdout_deltas.png",
+        "frontier.png", "pareto.png", "quality_screen.png", "holdout_deltas.png", "ladder.png",
     }  # fmt: skip
     for name in manifest["figures"]:
         image = matplotlib.image.imread(out / name)

@@ -30,6 +30,11 @@ class Synthesis:
     stop_reason: str
     audio: np.ndarray
     sample_rate: int
+    # Families whose generation is a fixed number of whole-sequence forwards (OmniVoice's
+    # unmasking steps) report them and what one forward must move/compute at least.
+    forward_passes: int | None = None
+    forward_bytes: float | None = None
+    forward_flops: float | None = None
 
 
 class Family(Protocol):

@@ -351,6 +351,9 @@ def slot_loop(
             batch.input_ids[i : i + 1, :, c_len - t_len : c_len] = sample
             batch.input_ids[B + i : B + i + 1, :, :t_len] = sample
     engine.notes["last"] = {"steps_run": steps_run, "rows_run": rows_run}
+    total = engine.notes.setdefault("passes", {"steps": 0, "rows": 0})  # chunks add up
+    total["steps"] += steps_run
+    total["rows"] += rows_run
     return [tokens[i, :, : task.target_lens[i]] for i in range(B)]
 
 

@@ -12,6 +12,7 @@ import torch
 from orchestrator.config import REPO_ROOT, ModelSpec, OperatingPoint, Workload
 from orchestrator.families import Synthesis
 from orchestrator.families.omnivoice import fidelity
+from orchestrator.families.omnivoice.cost import forward_cost
 from orchestrator.families.omnivoice.engine import Engine, stock_engine
 from orchestrator.families.omnivoice.model import OmniVoiceModel, build_model
 from orchestrator.records import FidelityRecord
@@ -58,6 +59,7 @@ class OmniVoiceFamily:
         duration = None if frames is None else frames / model.frame_rate
         texts = [text] * engine.batch
         torch.manual_seed(seed)  # the package draws Gumbel noise from the global generator
+        engine.notes.pop("passes", None)
         sync(model.device)
         t0 = time.perf_counter()
         task = ov._preprocess_all(
@@ -75,18 +77,25 @@ class OmniVoiceFamily:
         ]
         t2 = time.perf_counter()
         n_frames = sum(_frames(c) for c in codes)
+        prompt_tokens = _prompt_tokens(ov, task, cfg)
+        steps, rows = forward_passes(engine, cfg, codes)
+        chunks = len(codes[0]) if isinstance(codes[0], list) else 1
+        nbytes, flops = forward_cost(ov, rows / steps, prompt_tokens + _frames(codes[0]) // chunks)
         return Synthesis(
             latency_s=t2 - t0,
             lm_s=t1 - t0,
             codec_s=t2 - t1,
             prefill_s=None,
-            prompt_tokens=_prompt_tokens(ov, task, cfg),
+            prompt_tokens=prompt_tokens,
             new_tokens=n_frames * ov.config.num_audio_codebook,
             frames=n_frames,
             stop_reason="length_policy",  # lengths come from the duration rule or the policy
             # batch > 1: the copies back to back, so RTF is aggregate audio throughput
             audio=np.concatenate(audios).astype(np.float32),
             sample_rate=model.sample_rate,
+            forward_passes=steps,
+            forward_bytes=nbytes,
+            forward_flops=flops,
         )
 
     def fidelity(
@@ -141,6 +150,18 @@ def load_reference(path: str) -> tuple[torch.Tensor, int]:
         raise FileNotFoundError(f"reference audio {str(p)!r} does not exist")
     data, sr = sf.read(str(p), dtype="float32", always_2d=True)
     return torch.from_numpy(data.mean(axis=1)[None, :].copy()), int(sr)
+
+
+def forward_passes(engine: Engine, cfg: Any, codes: list[Any]) -> tuple[int, int]:
+    """(forwards, rows summed over them) of the last generation. The slot loop counts
+    them (CFG late-off and early exit change both); the package's own loop runs num_step
+    forwards of 2B rows per chunk."""
+    counted = engine.notes.pop("passes", None)
+    if counted and counted["steps"]:
+        return counted["steps"], counted["rows"]
+    chunks = len(codes[0]) if isinstance(codes[0], list) else 1
+    steps = cfg.num_step * chunks
+    return steps, steps * 2 * len(codes)
 
 
 def _frames(codes: Any) -> int:

@@ -129,4 +129,3 @@ class RumikFamily:
             tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
         ref = fidelity.Reference.build(model, prompt_ids, tokens, s.temperature, s.top_k)
         return {name: ref.judge(eng) for name, eng in engines.items()}
-
