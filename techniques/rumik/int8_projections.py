@@ -9,12 +9,16 @@ rounded weights. Rounding changes the logits: fidelity and quality gates decide.
 
 from __future__ import annotations
 
+import abc
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from orchestrator.families.rumik.engine import Engine, tensor_bytes
 from orchestrator.technique import Technique, TechniqueParams
+from techniques.rumik.packed_projections import input_projections
 
 MAX_GEMV_ROWS = 4
 
@@ -23,45 +27,46 @@ class Int8Params(TechniqueParams):
     pdl: bool = Field(False, description="Programmatic dependent launch (Hopper).")
 
 
-class Int8Packed:
-    def __init__(self, engine: Engine, pdl: bool):
-        from techniques.rumik.kernels.int8_gemv import quantize_int8
+class QuantizedPacked(abc.ABC):
+    """Packed q,k,v,gate,up (and o+down) weights, quantised per output channel. Decode
+    rows go through a subclass's GEMV kernel; prefill multiplies by the dequantised
+    weights, so both see the same rounded weights."""
 
-        self.pdl = pdl
+    max_gemv_rows: int = MAX_GEMV_ROWS
+
+    def __init__(self, engine: Engine, pdl: bool):
+        self.check(engine.model.config)
+        self.pdl = pdl  # the pdl technique switches it on
         self.w_in: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.w_out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in engine.model.lm.model.layers:
             a, m = layer.self_attn, layer.mlp
-            w_in = torch.cat(
-                [
-                    a.q_proj.weight,
-                    a.k_proj.weight,
-                    a.v_proj.weight,
-                    m.gate_proj.weight,
-                    m.up_proj.weight,
-                ]
-            )
-            self.w_in.append(quantize_int8(w_in))
-            self.w_out.append(quantize_int8(torch.cat([a.o_proj.weight, m.down_proj.weight], 1)))
+            w_in = torch.cat([p.weight for p in input_projections(layer)])
+            self.w_in.append(self.quantize(w_in))
+            self.w_out.append(self.quantize(torch.cat([a.o_proj.weight, m.down_proj.weight], 1)))
             del w_in
-        first = engine.model.lm.model.layers[0]
-        a, m = first.self_attn, first.mlp
-        self.sizes = [
-            a.q_proj.out_features,
-            a.k_proj.out_features,
-            a.v_proj.out_features,
-            m.gate_proj.out_features,
-            m.up_proj.out_features,
-        ]
+        self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
+
+    def check(self, cfg: Any) -> None:  # noqa: B027 (optional hook; int8 fits any shape)
+        """Raise when the model's shapes do not fit the packing."""
+
+    @abc.abstractmethod
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def dequantize(
+        self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor: ...
 
     def _linear(self, x: torch.Tensor, qs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        from techniques.rumik.kernels.int8_gemv import dequantize_int8, int8_linear
-
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_GEMV_ROWS:
-            y = int8_linear(rows, *qs, launch_pdl=self.pdl)
+        if rows.shape[0] <= self.max_gemv_rows:
+            y = self.gemv(rows, *qs)
         else:
-            y = F.linear(rows, dequantize_int8(*qs).to(x.dtype))
+            y = F.linear(rows, self.dequantize(*qs, x.dtype))
         return y.view(*x.shape[:-1], -1)
 
     def weight_bytes(self) -> int:
@@ -78,6 +83,23 @@ class Int8Packed:
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
     ) -> torch.Tensor:
         return x + self.output(i, attn, act)
+
+
+class Int8Packed(QuantizedPacked):
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from techniques.rumik.kernels.int8_gemv import quantize_int8
+
+        return quantize_int8(w)
+
+    def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        from techniques.rumik.kernels.int8_gemv import int8_linear
+
+        return int8_linear(rows, q, scale, launch_pdl=self.pdl)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from techniques.rumik.kernels.int8_gemv import dequantize_int8
+
+        return dequantize_int8(q, scale).to(dtype)
 
 
 class Int8Projections(Technique):

@@ -20,6 +20,12 @@ class PackedProjectionsParams(TechniqueParams):
     fuse_output: bool = Field(True, description="Also fuse o_proj and down_proj into one matmul.")
 
 
+def input_projections(layer: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The five projections LN(x) feeds in a parallel block, in packing order."""
+    a, m = layer.self_attn, layer.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+
+
 class Packed:
     def __init__(self, engine: Engine, fuse_output: bool):
         self.w_in: list[torch.Tensor] = []
@@ -29,22 +35,14 @@ class Packed:
         self.fuse_output = fuse_output
         for layer in engine.model.lm.model.layers:
             a, m = layer.self_attn, layer.mlp
-            parts = [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+            parts = input_projections(layer)
             self.w_in.append(torch.cat([p.weight for p in parts], dim=0).contiguous())
             if fuse_output:
                 self.w_out.append(torch.cat([a.o_proj.weight, m.down_proj.weight], 1).contiguous())
             else:
                 self.w_o.append(a.o_proj.weight)
                 self.w_down.append(m.down_proj.weight)
-        first = engine.model.lm.model.layers[0]
-        a, m = first.self_attn, first.mlp
-        self.sizes = [
-            a.q_proj.out_features,
-            a.k_proj.out_features,
-            a.v_proj.out_features,
-            m.gate_proj.out_features,
-            m.up_proj.out_features,
-        ]
+        self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
 
     def weight_bytes(self) -> int:
         return tensor_bytes(*self.w_in, *self.w_out, *self.w_o, *self.w_down)
