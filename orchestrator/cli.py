@@ -325,6 +325,13 @@ def _show(run_row: dict[str, Any]) -> None:
                 f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "
                 f"mean KL {fid['mean_kl']:.3g}, top-1 {fid['top1_agreement']:.3f}, "
                 f"top-k overlap {fid['topk_agreement']:.3f}"
+                + (
+                    f"; over its own columns: KL {fid['support_kl']:.3g}, "
+                    f"top-1 {fid['support_top1']:.3f}"
+                    if fid.get("support_kl") is not None
+                    and abs(fid["support_kl"] - fid["mean_kl"]) > 1e-9
+                    else ""
+                )
             )
 
 

@@ -146,6 +146,14 @@ class FidelityRecord(Record):
     noise_floor_kl: float | None = Field(
         None, description="Half precision: stock's own mean KL from an fp32 upcast."
     )
+    support_kl: float | None = Field(
+        None,
+        description="Mean KL against stock renormalised over the columns the stack can emit "
+        "(a restricted head): what the stack changes besides the restriction itself.",
+    )
+    support_top1: float | None = Field(
+        None, description="Top-1 agreement with stock's argmax over the stack's columns."
+    )
 
 
 class StackResult(Record):

@@ -70,6 +70,10 @@ def test_codebook_head_is_flagged_and_measurably_approximate(tiny_model, sequenc
     # ...but on the columns it keeps, the logits are stock's own.
     keep = torch.isfinite(other)
     assert torch.allclose(other[keep], stock_logits[keep], atol=1e-5)
+    # so the support-restricted view sees nothing else changed: the KL is the restriction
+    assert rec.support_kl is not None and rec.support_kl < 1e-6 and rec.support_top1 == 1.0
+    exact = fidelity.compare(stock_logits, stock_logits, 0.8, 30, torch.float32)
+    assert exact.support_kl == exact.mean_kl == 0 and exact.support_top1 == 1.0
     # every step only offers codebook step % 8 (and end-of-audio)
     vocab = tiny_model.vocab
     for step in range(16):

@@ -69,6 +69,12 @@ def compare(
     log_q = torch.log_softmax(stock / temperature, -1)
     kl = (log_p.exp() * (log_p - log_q)).where(finite, torch.zeros_like(log_p)).sum(-1)
     top1 = (other.argmax(-1) == stock.argmax(-1)).float().mean()
+    # A restricted head (codebook_head) puts -inf outside its columns; stock renormalised
+    # over those columns separates what else changed from the restriction itself.
+    stock_on = stock.masked_fill(~finite, float("-inf"))
+    log_q_on = torch.log_softmax(stock_on / temperature, -1)
+    support_kl = (log_p.exp() * (log_p - log_q_on)).where(finite, torch.zeros_like(log_p)).sum(-1)
+    support_top1 = (other.argmax(-1) == stock_on.argmax(-1)).float().mean()
     a, b = other.topk(top_k, -1).indices, stock.topk(top_k, -1).indices
     inter = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1).float()
     jaccard = (inter / (2 * top_k - inter)).mean()
@@ -79,6 +85,8 @@ def compare(
         max_kl=float(kl.max().clamp_min(0)),
         top1_agreement=float(top1),
         topk_agreement=float(jaccard),
+        support_kl=float(support_kl.mean().clamp_min(0)),
+        support_top1=float(support_top1),
         within_tolerance=bool(float(diff.max() / scale) <= FP32_TOLERANCE and bool(finite.all())),
         tolerance=FP32_TOLERANCE,
     )
