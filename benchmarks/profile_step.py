@@ -89,24 +89,30 @@ def main() -> None:
     args = ap.parse_args()
     model = FAMILY.build_model(ModelSpec(preset=args.model, device=args.device, dtype=args.dtype))
     workload = load_workload(args.workload)
-    rows = [profile_stack(model, s, args.frames, workload) for s in args.stacks]
+    rows = []
+    for name in args.stacks:  # printed as each finishes: a cut-off run still says something
+        rows.append(profile_stack(model, name, args.frames, workload))
+        print_row(rows[-1])
     env = capture(args.device, model.config_hash())
     report = {"environment": env.model_dump(mode="json"), "frames": args.frames, "stacks": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
-    for r in rows:
-        s = r["synthesis"]
+
+
+def print_row(r: dict[str, Any]) -> None:
+    s = r["synthesis"]
+    print(
+        f"\n{r['stack']}: latency {s['latency_s']:.3f}s = lm {s['lm_s']:.3f} + codec "
+        f"{s['codec_s']:.3f} (prefill {s['prefill_s']}) | wall {r['wall_ms_per_token']:.3f} "
+        f"ms/tok, GPU {r['gpu_ms_per_token']:.3f} ms/tok, {r['kernels_per_token']:.0f} "
+        "kernels/tok",
+        flush=True,
+    )
+    for k in r["top_kernels"]:
         print(
-            f"\n{r['stack']}: latency {s['latency_s']:.3f}s = lm {s['lm_s']:.3f} + codec "
-            f"{s['codec_s']:.3f} (prefill {s['prefill_s']}) | wall {r['wall_ms_per_token']:.3f} "
-            f"ms/tok, GPU {r['gpu_ms_per_token']:.3f} ms/tok, {r['kernels_per_token']:.0f} "
-            "kernels/tok"
+            f"  {k['us_per_token']:9.1f} us/tok {k['calls_per_token']:6.1f}x "
+            f"{k['mean_us']:7.2f} us  {k['name']}"
         )
-        for k in r["top_kernels"]:
-            print(
-                f"  {k['us_per_token']:9.1f} us/tok {k['calls_per_token']:6.1f}x "
-                f"{k['mean_us']:7.2f} us  {k['name']}"
-            )
 
 
 if __name__ == "__main__":
