@@ -218,7 +218,7 @@ def judge(
 ) -> Verdict:
     """Accept only a candidate that ran whole, is faster beyond noise, holds every gate,
     and (unless explicitly allowed) has not seen this holdout before."""
-    from orchestrator.store import classify_failure
+    from orchestrator.store_rows import classify_failure
 
     causes: dict[str, str] = {}
     reasons: list[str] = []

@@ -8,7 +8,6 @@ in one transaction. Everything returned is plain data; callers never hold a sess
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import uuid
@@ -26,26 +25,28 @@ import db
 from db.models import (
     Base,
     Failure,
-    Metric,
     Run,
-    Stack,
     StackResultRow,
-    Utterance,
     columns,
 )
-from orchestrator.config import StackSpec
 from orchestrator.records import (
     EnvironmentInfo,
-    FidelityRecord,
     JobSpec,
     ResultRecord,
-    StackResult,
-    UtteranceRecord,
     utcnow,
 )
+from orchestrator.store_rows import (
+    RESULT_STATUS,
+    Comparisons,
+    classify_failure,
+    failure_row,
+    maybe_json,
+    run_fields,
+    stack_fields,
+    stack_result,
+    write_result,
+)
 
-RESULT_STATUS = {"finished": "FINISHED", "partial": "PARTIAL", "failed": "FAILED"}
-Comparisons = dict[str, dict[str, float]]
 # A process that started this long after its run row cannot be the one that wrote it: the
 # pid was reused. Generous because boot time is only known to the second.
 PID_REUSE_TOLERANCE = timedelta(seconds=5)
@@ -72,16 +73,6 @@ def identity_of(job: JobSpec) -> str:
     from orchestrator.plan import identity
 
     return identity(job)
-
-
-def classify_failure(error: str | None) -> str:
-    """A failures-ledger cause for an error message."""
-    text = (error or "").lower()
-    if "out of memory" in text or "outofmemory" in text or "oom" in text.split():
-        return "oom"
-    if any(w in text for w in ("compile", "inductor", "dynamo", "triton")):
-        return "compile"
-    return "crash" if text else "other"
 
 
 class Store:
@@ -152,7 +143,7 @@ class Store:
                     raise ValueError(
                         f"result is for job {result.job.job_id}, run {run_id} is job {run.job_id}"
                     )
-                _write_result(s, run, result, comparisons, result_path, mlflow_run_id)
+                write_result(s, run, result, comparisons, result_path, mlflow_run_id)
         except (RunNotFound, DuplicateRun):
             raise  # nothing to mark: no such run, or it already holds a result
         except Exception as exc:
@@ -174,14 +165,14 @@ class Store:
             if not _has_result(run):
                 run.status, run.error, run.ended_at = status, error, utcnow()
             cause = "interrupted" if status == "INTERRUPTED" else classify_failure(error)
-            s.add(_failure(run_id, None, cause, error))
+            s.add(failure_row(run_id, None, cause, error))
 
     def record_failure(
         self, stack_name: str | None, cause: str, detail: str, run_id: str | None = None
     ) -> None:
         """Add a failures-ledger entry (e.g. 'slower' or 'gate' from the accept protocol)."""
         with self._write() as s:
-            s.add(_failure(run_id, stack_name, cause, detail))
+            s.add(failure_row(run_id, stack_name, cause, detail))
 
     def ingest(
         self,
@@ -212,7 +203,7 @@ class Store:
                 raise DuplicateRun(
                     f"job {job.job_id} is being run as {run.id} by pid {run.pid} on {run.host}"
                 )
-            _write_result(s, run, result, comparisons, result_path, mlflow_run_id)
+            write_result(s, run, result, comparisons, result_path, mlflow_run_id)
             return run.id
 
     def set_mlflow_run_ids(
@@ -246,7 +237,7 @@ class Store:
                     continue
                 error = f"orchestrator process {run.pid} on {run.host} ended without finishing"
                 run.status, run.error, run.ended_at = "INTERRUPTED", error, utcnow()
-                s.add(_failure(run_id, None, "interrupted", error))
+                s.add(failure_row(run_id, None, "interrupted", error))
             marked.append(run_id)
         return marked
 
@@ -288,7 +279,7 @@ class Store:
         query = query.options(selectinload(Run.stack_results).selectinload(StackResultRow.stack))
         with self._read() as s:
             return [
-                {**_run_fields(run), "stacks": [sr.stack.name for sr in run.stack_results]}
+                {**run_fields(run), "stacks": [sr.stack.name for sr in run.stack_results]}
                 for run in s.scalars(query)
             ]
 
@@ -317,12 +308,12 @@ class Store:
         with self._read() as s:
             run = s.scalars(select(Run).where(Run.id == run_id).options(*loads)).one()
             return {
-                **_run_fields(run),
+                **run_fields(run),
                 "model": json.loads(run.model_json),
                 "workload": json.loads(run.workload_json),
                 "job": json.loads(run.job_json),
-                "environment": _maybe_json(run.environment_json),
-                "stacks": [_stack_fields(sr, utterances) for sr in run.stack_results],
+                "environment": maybe_json(run.environment_json),
+                "stacks": [stack_fields(sr, utterances) for sr in run.stack_results],
             }
 
     def get_result(self, run_id_or_prefix: str) -> ResultRecord:
@@ -337,7 +328,7 @@ class Store:
             started_at=run["started_at"],
             finished_at=run["ended_at"],
             environment=EnvironmentInfo.model_validate(run["environment"]),
-            results=[_stack_result(st) for st in run["stacks"]],
+            results=[stack_result(st) for st in run["stacks"]],
             error=run["error"],
         )
 
@@ -373,146 +364,6 @@ class Store:
 def _has_result(run: Run) -> bool:
     # Every ResultRecord carries an environment, and only recording a result sets it.
     return run.environment_json is not None
-
-
-def _failure(run_id: str | None, stack_name: str | None, cause: str, detail: str) -> Failure:
-    return Failure(
-        created_at=utcnow(), run_id=run_id, stack_name=stack_name, cause=cause, detail=detail
-    )
-
-
-def _write_result(
-    s: Session,
-    run: Run,
-    result: ResultRecord,
-    comparisons: Comparisons | None,
-    result_path: str | None,
-    mlflow_run_id: str | None,
-) -> None:
-    comparisons = comparisons or {}
-    names = [sr.stack.name for sr in result.results]
-    unknown = sorted(set(comparisons) - set(names))
-    if unknown:
-        raise ValueError(f"comparisons for stacks not in the result: {unknown}")
-    run.status = RESULT_STATUS[result.status]
-    run.started_at, run.ended_at = result.started_at, result.finished_at
-    run.environment_json = result.environment.model_dump_json()
-    run.error = result.error
-    run.result_path = result_path if result_path is not None else run.result_path
-    run.mlflow_run_id = mlflow_run_id if mlflow_run_id is not None else run.mlflow_run_id
-    for position, sr in enumerate(result.results):
-        row = StackResultRow(
-            run_id=run.id,
-            stack_id=_stack_id(s, sr.stack),
-            position=position,
-            status=sr.status,
-            exact=sr.exact,
-            applied_json=json.dumps(sr.applied),
-            skipped_json=json.dumps(sr.skipped),
-            error=sr.error,
-            setup_s=sr.setup_s,
-            warmup_s=sr.warmup_s,
-            peak_memory_bytes=sr.peak_memory_bytes,
-            fidelity_json=sr.fidelity.model_dump_json() if sr.fidelity else None,
-        )
-        row.utterances = [
-            Utterance(position=i, **u.model_dump()) for i, u in enumerate(sr.utterances)
-        ]
-        row.metrics = [
-            Metric(key=k, value=v)
-            for k, v in _merged_metrics(sr.stack.name, sr.metrics, comparisons).items()
-        ]
-        s.add(row)
-        if sr.status in ("failed", "refused"):
-            cause = "refused" if sr.status == "refused" else classify_failure(sr.error)
-            detail = sr.error or (json.dumps(sr.skipped) if sr.skipped else sr.status)
-            s.add(_failure(run.id, sr.stack.name, cause, detail))
-    if result.status == "failed" and result.error:
-        s.add(_failure(run.id, None, classify_failure(result.error), result.error))
-    s.flush()  # surface constraint errors here, inside the transaction
-
-
-def _merged_metrics(
-    stack: str, metrics: dict[str, float], comparisons: Comparisons
-) -> dict[str, float]:
-    extra = comparisons.get(stack, {})
-    clash = sorted(set(metrics) & set(extra))
-    if clash:
-        raise ValueError(f"stack {stack}: comparison metrics {clash} clash with worker metrics")
-    merged = {**metrics, **extra}
-    bad = {k: v for k, v in merged.items() if not math.isfinite(v)}
-    if bad:
-        # NaN would silently become NULL in SQLite and null in JSON: refuse it loudly.
-        raise ValueError(f"stack {stack}: non-finite metric values {bad}")
-    return merged
-
-
-def _stack_id(s: Session, spec: StackSpec) -> int:
-    spec_hash = spec.content_hash()
-    found = s.scalar(select(Stack.id).where(Stack.spec_hash == spec_hash))
-    if found is not None:
-        return found
-    row = Stack(
-        name=spec.name, family=spec.family, spec_hash=spec_hash, spec_json=spec.model_dump_json()
-    )
-    try:
-        with s.begin_nested():  # another writer may insert the same stack concurrently
-            s.add(row)
-    except IntegrityError:
-        return s.scalars(select(Stack.id).where(Stack.spec_hash == spec_hash)).one()
-    return row.id
-
-
-def _run_fields(run: Run) -> dict[str, Any]:
-    return {k: v for k, v in columns(run).items() if not k.endswith("_json")}
-
-
-def _maybe_json(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _stack_fields(sr: StackResultRow, utterances: bool) -> dict[str, Any]:
-    spec = json.loads(sr.stack.spec_json)
-    fields = {
-        "name": spec["name"],
-        "position": sr.position,
-        "spec": spec,
-        "spec_hash": sr.stack.spec_hash,
-        "status": sr.status,
-        "exact": sr.exact,
-        "applied": json.loads(sr.applied_json),
-        "skipped": json.loads(sr.skipped_json),
-        "error": sr.error,
-        "setup_s": sr.setup_s,
-        "warmup_s": sr.warmup_s,
-        "peak_memory_bytes": sr.peak_memory_bytes,
-        "fidelity": _maybe_json(sr.fidelity_json),
-        "metrics": {m.key: m.value for m in sorted(sr.metrics, key=lambda m: m.key)},
-        "mlflow_run_id": sr.mlflow_run_id,
-    }
-    if utterances:
-        keep = UtteranceRecord.model_fields
-        fields["utterances"] = [
-            {k: v for k, v in columns(u).items() if k in keep} for u in sr.utterances
-        ]
-    return fields
-
-
-def _stack_result(st: dict[str, Any]) -> StackResult:
-    return StackResult(
-        stack=StackSpec.model_validate(st["spec"]),
-        status=st["status"],
-        applied=st["applied"],
-        skipped=st["skipped"],
-        exact=st["exact"],
-        error=st["error"],
-        setup_s=st["setup_s"],
-        warmup_s=st["warmup_s"],
-        peak_memory_bytes=st["peak_memory_bytes"],
-        utterances=[UtteranceRecord.model_validate(u) for u in st["utterances"]],
-        fidelity=None if st["fidelity"] is None else FidelityRecord.model_validate(st["fidelity"]),
-        metrics=st["metrics"],
-    )
 
 
 def _owner_alive(pid: int | None, run_started: datetime) -> bool:

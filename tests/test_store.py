@@ -27,9 +27,9 @@ from orchestrator.store import (
     RunNotFound,
     Store,
     StoreError,
-    classify_failure,
     identity_of,
 )
+from orchestrator.store_rows import classify_failure
 
 MakeResult = Callable[..., ResultRecord]
 COMPARISONS = {"fast": {"speedup_vs_baseline": 2.0000001, "rtf_ratio": 0.5}}
