@@ -33,6 +33,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 
+class Refused(RuntimeError):
+    """Raised by `apply` when a technique finds it cannot run on this model or package
+    version: the stack is recorded as refused, with this reason, rather than crashed."""
+
+
 class TechniqueParams(BaseModel):
     """Base for a technique's parameters; unknown keys are errors."""
 

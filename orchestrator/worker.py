@@ -27,7 +27,7 @@ from orchestrator.families import get_family
 from orchestrator.metrics import point_metrics, summarize
 from orchestrator.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
 from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps
+from orchestrator.technique import DeviceCaps, Refused
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -54,6 +54,9 @@ def run_job(job: JobSpec) -> ResultRecord:
         t0 = time.perf_counter()
         try:
             engines[spec.name] = family.build_engine(model, built)
+        except Refused as exc:
+            results[spec.name] = StackResult(stack=spec, status="refused", error=str(exc))
+            continue
         except Exception as exc:
             results[spec.name] = StackResult(stack=spec, status="failed", error=_describe(exc))
             continue

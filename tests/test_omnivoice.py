@@ -206,7 +206,9 @@ def test_clone_without_ref_text_is_a_clear_error(family, model):
 
 
 def test_flash_attention_2_is_refused_with_the_reason(family, model):
-    with pytest.raises(RuntimeError, match="does not support Flash Attention 2 yet"):
+    from orchestrator.technique import Refused
+
+    with pytest.raises(Refused, match="does not support Flash Attention 2 yet"):
         engine_for(family, model, {"name": "flash_attention_2"})
 
 

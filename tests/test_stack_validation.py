@@ -111,3 +111,37 @@ def test_inductor_graphs_do_not_nest_in_ours(outer):
     fused = {"compile": True, "compile_mode": "default"}  # kernels fused, launched by our graph
     built = build_stack(stack(*names, static_kv_cache=fused), h200)
     assert [t.name for t in built.techniques][-1] == outer
+
+
+class _RefusesAtApply(_NeedsHopper):
+    name = "refuses_at_apply"
+    slots: ClassVar = ("head",)
+    requires: ClassVar = ()
+
+    def apply(self, engine):
+        from orchestrator.technique import Refused
+
+        raise Refused("this checkpoint's head is tied; refuses_at_apply needs it untied")
+
+
+def test_a_technique_refusing_at_apply_is_recorded_refused_not_crashed(monkeypatch, tmp_path):
+    from orchestrator.config import Workload, load_model_spec, load_protocol, load_workload
+    from orchestrator.plan import plan_job
+    from orchestrator.worker import run_job
+
+    known = dict(registry.discover()) | {"refuses_at_apply": _RefusesAtApply}
+    monkeypatch.setattr(registry, "discover", lambda: known)
+    smoke = load_workload("smoke")
+    wl = Workload.model_validate(
+        smoke.model_dump() | {"prompts": smoke.prompts[:1], "seeds": [42], "warmups": 0}
+    )
+    refusing = stack("refuses_at_apply").model_copy(update={"name": "refusing"})
+    job = plan_job(
+        load_model_spec("tiny"), wl, [stack(), refusing], load_protocol(), tmp_path,
+        fidelity_steps=0,
+    )  # fmt: skip
+    result = run_job(job)
+    assert result.status == "partial"
+    stock, refused = result.results
+    assert stock.status == "ok" and stock.utterances
+    assert refused.status == "refused" and "head is tied" in (refused.error or "")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.technique import Technique
+from orchestrator.technique import Refused, Technique
 
 
 class FlashAttention2(Technique):
@@ -24,12 +24,12 @@ class FlashAttention2(Technique):
     def apply(self, engine: Any) -> None:
         cls = type(engine.model.ov)
         if not getattr(cls, "_supports_flash_attn", False):
-            raise RuntimeError(
+            raise Refused(
                 f"{cls.__name__} does not support Flash Attention 2 yet: the class sets "
                 "_supports_flash_attn_2 but transformers 5 checks _supports_flash_attn; "
                 "forcing it on the backbone fails on OmniVoice's bool 4D attention masks"
             )
-        raise RuntimeError(
+        raise Refused(
             f"{cls.__name__} now declares Flash Attention support; this technique has no "
             "implementation for it yet (it would need a varlen path for the CFG masks)"
         )
