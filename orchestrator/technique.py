@@ -38,6 +38,11 @@ class Refused(RuntimeError):
     version: the stack is recorded as refused, with this reason, rather than crashed."""
 
 
+class UnsupportedConfig(Refused, ValueError):
+    """The model (or its shapes) is outside what a technique's kernels support; the message
+    names the limit."""
+
+
 class TechniqueParams(BaseModel):
     """Base for a technique's parameters; unknown keys are errors."""
 

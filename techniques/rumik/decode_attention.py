@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from orchestrator.families.rumik.engine import Engine, masked_sdpa
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
 
 
 class DecodeAttentionParams(TechniqueParams):
@@ -37,7 +37,9 @@ class DecodeAttention(Technique):
         p: DecodeAttentionParams = self.params  # type: ignore[assignment]
         head_dim = engine.model.config.head_dim
         if head_dim != 128:
-            raise ValueError(f"decode_attention supports head_dim 128; this model has {head_dim}")
+            raise UnsupportedConfig(
+                f"decode_attention supports head_dim 128; this model has {head_dim}"
+            )
 
         def attend(q, k_cache, v_cache, positions, window):
             if q.shape[2] != 1:  # prefill

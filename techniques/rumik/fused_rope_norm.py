@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
 from techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
 
 # The kernels' limits (techniques/rumik/kernels/rope_norm.py), checked before any launch.
@@ -34,8 +34,7 @@ MAX_HEADS = 64
 MAX_HEAD_DIM = 256
 
 
-class UnsupportedConfigError(ValueError):
-    """The model or input is outside what the fused kernels support; names the limit."""
+UnsupportedConfigError = UnsupportedConfig  # the model or input is outside the fused kernels
 
 
 def check_supported(hidden: int, hq: int, hkv: int, head_dim: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
 from techniques.rumik.int8_projections import QuantizedPacked
 
 
@@ -32,7 +32,7 @@ class Int6Packed(QuantizedPacked):
         out_k = cfg.num_attention_heads * cfg.head_dim + cfg.intermediate_size
         for name, k in (("hidden_size", cfg.hidden_size), ("heads*head_dim+intermediate", out_k)):
             if k % 4:
-                raise ValueError(
+                raise UnsupportedConfig(
                     f"int6_projections packs 4 weights in 3 bytes: {name} must be a multiple "
                     f"of 4, this model has {k}"
                 )
