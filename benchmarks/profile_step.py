@@ -25,15 +25,10 @@ from typing import Any
 import torch
 
 from orchestrator.config import load_model_spec, load_stack, load_workload
-from orchestrator.environment import capture
+from orchestrator.environment import capture, sync
 from orchestrator.families import get_family
 from orchestrator.registry import build_stack
 from orchestrator.technique import DeviceCaps
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def traced_call(family: Any, engine: Any, workload: Any, frames: int) -> tuple[Callable, str]:

@@ -8,6 +8,7 @@ import socket
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from importlib import metadata
 
 import torch
@@ -75,45 +76,50 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU, which runs eagerly)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` runs after one warm-up run (allocator,
+    caches, library handles), each bracketed by a device sync."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _device(device: str) -> torch.device:
+    return torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+
+
 def copy_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
     """Median bandwidth of a large device-local copy, counting bytes read plus written.
 
     Sized far past the caches (1 GiB on a GPU, 256 MiB in host memory).
     """
-    dev = torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+    dev = _device(device)
     nbytes = (1 << 30) if dev.type == "cuda" else (1 << 28)
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=dev).random_()
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):  # the first copy warms up allocator and caches
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), dev, repeats) / 1e9
 
 
 def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
     """Median throughput of a square matmul (8192 on a GPU, 1024 on a CPU): the compute
     ceiling a per-step floor is measured against, on random data as models see it."""
-    dev = torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+    dev = _device(device)
     n = 8192 if dev.type == "cuda" else 1024
     dtype = dtype if dev.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
-    times = []
-    for _ in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        a @ b
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times[1:]) / 1e12
+    return 2 * n**3 / _median_seconds(lambda: a @ b, dev, repeats) / 1e12
 
 
 def capture(

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from orchestrator.config import REPO_ROOT, ModelSpec, OperatingPoint, Workload
+from orchestrator.environment import sync
 from orchestrator.families import Synthesis
 from orchestrator.families.omnivoice import fidelity
 from orchestrator.families.omnivoice.cost import forward_cost
@@ -17,11 +18,6 @@ from orchestrator.families.omnivoice.engine import Engine, stock_engine
 from orchestrator.families.omnivoice.model import OmniVoiceModel, build_model
 from orchestrator.records import FidelityRecord
 from orchestrator.registry import BuiltStack
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class OmniVoiceFamily:

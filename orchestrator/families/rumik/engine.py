@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import Cohere2ForCausalLM, DynamicCache
 
 from orchestrator.config import SamplingConfig
+from orchestrator.environment import sync
 from orchestrator.families.rumik.model import RumikModel
 
 SLOTS = ("decoder", "projections", "attention", "head", "sampler", "loop")
@@ -314,12 +315,6 @@ def stock_engine(model: RumikModel) -> Engine:
         sampler=stock_sampler,
         loop=host_loop,
     )
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the work queued on `device` (a no-op on the CPU, which runs eagerly)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_since(t0: float, device: torch.device) -> float:

@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from orchestrator.config import ModelSpec, Workload
+from orchestrator.environment import sync
 from orchestrator.families import Synthesis
 from orchestrator.families.rumik import fidelity
-from orchestrator.families.rumik.engine import Engine, stock_engine, sync, tensor_bytes
+from orchestrator.families.rumik.engine import Engine, stock_engine, tensor_bytes
 from orchestrator.families.rumik.model import RumikModel, build_model
 from orchestrator.families.rumik.vocab import build_prompt
 from orchestrator.records import FidelityRecord
