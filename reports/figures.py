@@ -21,7 +21,7 @@ from orchestrator.holdout import list_audits
 from orchestrator.records import utcnow
 from orchestrator.scoring_run import StackQuality, load_rows, stack_quality
 from reports.frontier import Frontier, collect
-from reports.ladder import Rung, ladder, throughput
+from reports.ladder import Rung, finished_runs, ladder, throughput
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -357,13 +357,7 @@ def render_all(
 def _serving_figures(
     store: Store, workload: str, out_dir: Path, hardware: str | None, manifest: dict[str, Any]
 ) -> None:
-    from orchestrator.protocol import split_phase
-
-    runs = [
-        r
-        for r in sorted(store.list_runs(limit=10_000), key=lambda r: (r["started_at"], r["id"]))
-        if split_phase(r["workload_name"])[0] == workload and r["status"] in ("FINISHED", "PARTIAL")
-    ]
+    runs = finished_runs(store, workload)
     rungs = ladder(store.get_result(runs[-1]["id"])) if runs else []
     if len(rungs) > 1:
         title = f"Ladder · run {runs[-1]['id'][:8]} · {workload}"

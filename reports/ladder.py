@@ -67,6 +67,15 @@ def serving_path(result: StackResult) -> str:
     return " + ".join(names) or "stock"
 
 
+def finished_runs(store: Store, workload: str) -> list[dict]:
+    """Finished (or partial) runs of `workload` in any phase, oldest first."""
+    return [
+        r
+        for r in sorted(store.list_runs(limit=10_000), key=lambda r: (r["started_at"], r["id"]))
+        if split_phase(r["workload_name"])[0] == workload and r["status"] in ("FINISHED", "PARTIAL")
+    ]
+
+
 def throughput(
     store: Store, workload: str, hardware: str | None = None
 ) -> dict[str, dict[int, float]]:
