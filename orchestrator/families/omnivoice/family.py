@@ -74,8 +74,8 @@ class OmniVoiceFamily:
         t2 = time.perf_counter()
         n_frames = sum(_frames(c) for c in codes)
         prompt_tokens = _prompt_tokens(ov, task, cfg)
-        steps, rows = forward_passes(engine, cfg, codes)
-        chunks = len(codes[0]) if isinstance(codes[0], list) else 1
+        chunks = len(codes[0]) if isinstance(codes[0], list) else 1  # long-form chunking
+        steps, rows = forward_passes(engine, cfg, chunks, batch=len(codes))
         nbytes, flops = forward_cost(ov, rows / steps, prompt_tokens + _frames(codes[0]) // chunks)
         return Synthesis(
             latency_s=t2 - t0,
@@ -148,16 +148,15 @@ def load_reference(path: str) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(data.mean(axis=1)[None, :].copy()), int(sr)
 
 
-def forward_passes(engine: Engine, cfg: Any, codes: list[Any]) -> tuple[int, int]:
+def forward_passes(engine: Engine, cfg: Any, chunks: int, batch: int) -> tuple[int, int]:
     """(forwards, rows summed over them) of the last generation. The slot loop counts
     them (CFG late-off and early exit change both); the package's own loop runs num_step
     forwards of 2B rows per chunk."""
     counted = engine.notes.pop("passes", None)
     if counted and counted["steps"]:
         return counted["steps"], counted["rows"]
-    chunks = len(codes[0]) if isinstance(codes[0], list) else 1
     steps = cfg.num_step * chunks
-    return steps, steps * 2 * len(codes)
+    return steps, steps * 2 * batch
 
 
 def _frames(codes: Any) -> int:
