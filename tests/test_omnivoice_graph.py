@@ -180,9 +180,10 @@ def cuda_model():
 
 
 def graph_engine(model, *techniques: dict, batch: int = 1, **knobs) -> Engine:
-    """The technique through the registry on CUDA (use_cache_off + cuda_graph_loop)."""
+    """The technique through the registry on CUDA (use_cache_off + cuda_graph_loop); the
+    temperatures are set as knobs (class_temperature has no technique)."""
     stack = spec(
-        *({"name": k, "params": {"value": v}} for k, v in (RECIPE | knobs).items()),
+        *({"name": k, "params": {"value": v}} for k, v in RECIPE.items()),
         {"name": "use_cache_off"},
         *techniques,
         {"name": "cuda_graph_loop"},
@@ -190,6 +191,7 @@ def graph_engine(model, *techniques: dict, batch: int = 1, **knobs) -> Engine:
     )
     eng = get_family("omnivoice").build_engine(model, build_stack(stack, DeviceCaps.probe("cuda")))
     assert eng.loop is graph_loop
+    eng.knobs.update(knobs)
     return eng
 
 
