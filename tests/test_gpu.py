@@ -164,6 +164,58 @@ def test_graph_loop_generates_valid_reproducible_tokens(case128):
         model.stop_head[3].bias.data.zero_()
 
 
+def test_while_graph_generates_graph_loops_tokens(case128):
+    """One conditional WHILE graph per utterance gives exactly graph_loop's tokens, under a
+    length policy and when the model decides the length (end token, stop head)."""
+    model, prompt, _ = case128
+    body = [
+        ("static_kv_cache", {}),
+        ("int8_projections", {}),
+        ("decode_attention", {}),
+        ("codebook_head", {}),
+        ("fused_rope_norm", {}),
+        ("device_sampler", {}),
+        ("pdl", {}),
+    ]
+    host = build(model, [*body, ("graph_loop", {})])
+    device = build(model, [*body, ("while_graph", {})])
+    for seed in (42, 43):  # twice: the second launch reuses the instantiated graph
+        a, b = _generate(host, prompt, 10, seed), _generate(device, prompt, 10, seed)
+        assert b.stop_reason == "length_policy" and len(b.tokens) == 80
+        assert a.tokens == b.tokens
+    # the model decides the length: phase A runs min_tokens_before_stop tokens with the end
+    # token masked, phase B until the sampled end token or the cap
+    a, b = _generate(host, prompt, None, 7), _generate(device, prompt, None, 7)
+    assert (a.stop_reason, a.tokens) == (b.stop_reason, b.tokens)
+    model.stop_head[3].bias.data.fill_(1e4)  # a stop head that always fires
+    try:
+        eng = build(model, [*body, ("while_graph", {})])
+        d = _generate(eng, prompt, None, seed=1)
+        assert d.stop_reason == "stop_head" and len(d.tokens) == 8
+    finally:
+        model.stop_head[3].bias.data.zero_()
+
+
+def test_while_graph_is_one_launch_per_utterance(case128):
+    from orchestrator.config import Prompt, Workload
+
+    model, _, _ = case128
+    wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])
+    eng = build(
+        model,
+        [
+            ("static_kv_cache", {}),
+            ("int8_projections", {}),
+            ("decode_attention", {}),
+            ("codebook_head", {}),
+            ("device_sampler", {}),
+            ("while_graph", {}),
+        ],
+    )
+    counts = FAMILY.launches_per_step(eng, wl.prompts[0].text, 3, wl)
+    assert counts["launches_per_step"] < 0.2, counts  # one graph launch for 24 tokens
+
+
 def test_device_sampler_stays_in_allowed_columns(case128):
     model, prompt, _ = case128
     eng = build(model, [("audio_head", {}), ("device_sampler", {})])

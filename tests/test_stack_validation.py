@@ -100,10 +100,10 @@ def test_older_gpu_lacks_sm90():
     assert "nonexistent_pkg_xyz" in DeviceCaps("cpu").missing("package:nonexistent_pkg_xyz")
 
 
-@pytest.mark.parametrize("outer", ["cuda_graph", "graph_loop"])
+@pytest.mark.parametrize("outer", ["cuda_graph", "graph_loop", "while_graph"])
 def test_inductor_graphs_do_not_nest_in_ours(outer):
     h200 = DeviceCaps("cuda", (9, 0), "H200")
-    names = ["static_kv_cache", "device_sampler", outer] if outer == "graph_loop" else [
+    names = ["static_kv_cache", "device_sampler", outer] if outer != "cuda_graph" else [
         "static_kv_cache", outer]  # fmt: skip
     ro = {"compile": True, "compile_mode": "reduce-overhead"}
     with pytest.raises(StackError, match="reduce-overhead.*own CUDA graphs"):
@@ -111,6 +111,17 @@ def test_inductor_graphs_do_not_nest_in_ours(outer):
     fused = {"compile": True, "compile_mode": "default"}  # kernels fused, launched by our graph
     built = build_stack(stack(*names, static_kv_cache=fused), h200)
     assert [t.name for t in built.techniques][-1] == outer
+
+
+def test_one_loop_per_stack_and_no_while_graph_on_cpu():
+    h200 = DeviceCaps("cuda", (9, 0), "H200")
+    with pytest.raises(StackError, match="loop"):
+        build_stack(stack("static_kv_cache", "device_sampler", "graph_loop", "while_graph"), h200)
+    names = ("static_kv_cache", "device_sampler", "while_graph")
+    assert [t.name for t in build_stack(stack(*names), h200).techniques][-1] == "while_graph"
+    on_cpu = build_stack(stack(*names), DeviceCaps("cpu"))  # skipped with the reason, never
+    assert "CUDA" in on_cpu.skipped["while_graph"]  # applied half-configured
+    assert [t.name for t in on_cpu.techniques] == ["static_kv_cache"]
 
 
 class _RefusesAtApply(_NeedsHopper):

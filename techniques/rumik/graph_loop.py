@@ -11,6 +11,7 @@ past the end. Tokens still depend on previous tokens; only the checking moves of
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
@@ -56,45 +57,55 @@ class _Captured:
         self.graphed.token.copy_(token.view(1, 1))
         self.step.add_(1)
 
+    def capture(
+        self,
+        engine: Engine,
+        allow_end: bool,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        then: Callable[[], None] | None = None,
+    ) -> torch.cuda.CUDAGraph:
+        """Warm the body up on a side stream, undo its advance, capture it. `then` is work
+        captured after the body (a WHILE loop's condition kernel); with it the raw graph is
+        kept (keep_graph=True) for the caller to clone."""
+        state = (self.graphed.pos, self.step, self.graphed.token, engine.sampler.counter)
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.body(engine, allow_end, sampling, generator)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph(keep_graph=then is not None)
+        with torch.cuda.graph(graph):
+            self.body(engine, allow_end, sampling, generator)
+            if then is not None:
+                then()
+        for t, s in zip(state, saved, strict=True):
+            t.copy_(s)  # undo the warm-up's advance
+        return graph
+
     def graph(
         self, engine: Engine, allow_end: bool, sampling: SamplingConfig, generator: torch.Generator
     ) -> torch.cuda.CUDAGraph:
         if allow_end not in self.graphs:
-            saved = [
-                t.clone()
-                for t in (self.graphed.pos, self.step, self.graphed.token, engine.sampler.counter)
-            ]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.body(engine, allow_end, sampling, generator)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.body(engine, allow_end, sampling, generator)
-            for t, s in zip(
-                (self.graphed.pos, self.step, self.graphed.token, engine.sampler.counter),
-                saved,
-                strict=True,
-            ):
-                t.copy_(s)  # undo the warm-up's advance
-            self.graphs[allow_end] = graph
+            self.graphs[allow_end] = self.capture(engine, allow_end, sampling, generator)
         return self.graphs[allow_end]
 
 
-def graph_loop(
+def start(
     engine: Engine,
     prompt_ids: list[int],
     frames: int | None,
     sampling: SamplingConfig,
     generator: torch.Generator,
-) -> Generation:
+) -> tuple[_Captured, int, torch.Tensor, float]:
+    """Prefill and the eager step 0 (it follows the prefill, not a previous step), leaving
+    the device buffers ready for captured steps: (state, token cap, first token, prefill s)."""
     model, vocab = engine.model, engine.model.vocab
-    params: GraphLoopParams = engine.notes["graph_loop"]
     cap = token_budget(sampling, frames, vocab.num_quantizers)
     decoder = engine.new_decoder(len(prompt_ids) + cap + 1)
     if not isinstance(decoder, StaticDecoder):
-        raise TypeError("graph_loop needs static_kv_cache's decoder (without cuda_graph)")
+        raise TypeError("a captured loop needs static_kv_cache's decoder (without cuda_graph)")
     state: _Captured = engine.notes.get("graph_loop_state")
     if state is None or state.graphed.inner is not decoder or state.cap < cap:
         state = engine.notes["graph_loop_state"] = _Captured(engine, decoder, max(cap, 2048))
@@ -103,7 +114,6 @@ def graph_loop(
     t0 = time.perf_counter()
     hidden = state.graphed.prefill(torch.tensor([prompt_ids], device=model.device))
     prefill_s = timed_since(t0, model.device)
-    # Step 0 runs eagerly (it follows the prefill, not a previous step).
     first = engine.sampler(
         engine.head(hidden, 0),
         allow_end=False,
@@ -114,6 +124,19 @@ def graph_loop(
     state.tokens[0:1].copy_(first)
     state.graphed.token.copy_(first.view(1, 1))
     state.step.fill_(1)
+    return state, cap, first, prefill_s  # first stays on the device: no sync here
+
+
+def graph_loop(
+    engine: Engine,
+    prompt_ids: list[int],
+    frames: int | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> Generation:
+    vocab = engine.model.vocab
+    params: GraphLoopParams = engine.notes["graph_loop"]
+    state, cap, first, prefill_s = start(engine, prompt_ids, frames, sampling, generator)
     min_tokens = sampling.min_tokens_before_stop
     if frames is not None:
         graph = state.graph(engine, False, sampling, generator)
