@@ -407,3 +407,55 @@ def test_compiled_forward_matches_eager_on_cuda():
     assert float((got - want).abs().max() / want.std()) < 1e-3
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.99
     assert codes(eng)[0].shape == codes(ref)[0].shape  # the loop runs through it end to end
+
+
+# ------------------------------------------------------------------------ the codec
+
+
+@torch.inference_mode()
+def _package_waves(model, items):
+    cfg = stock_engine(model).config()
+    return [model.ov._decode_and_post_process(c, None, cfg) for c in items]
+
+
+def test_batched_codec_equals_package_per_item(family, model):
+    """codec_compile stacks same-length items into one decoder call (mode none: eager, so it
+    runs here); each waveform matches the package's own per-item decode."""
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 1024, (2, 8, 30))
+    c = torch.randint(0, 1024, (8, 17))  # another length: its own call
+    eng = engine_for(family, model, {"name": "codec_compile", "params": {"mode": "none"}})
+    assert eng.filled["codec"] == "codec_compile"
+    with torch.inference_mode():
+        got = eng.codec(eng, [a, b, c], [None] * 3, eng.config())
+    for g, w in zip(got, _package_waves(model, [a, b, c]), strict=True):
+        assert g.shape == w.shape
+        assert float(abs(g - w).max()) <= 1e-5 * max(1.0, float(abs(w).max()))
+    out = family.synthesize(eng, TEXT, 11, workload())
+    assert out.audio.size and out.codec_s > 0
+
+
+def test_compiled_codec_is_refused_on_cpu(family, model):
+    from orchestrator.technique import Refused
+
+    with pytest.raises(Refused, match="CUDA"):
+        engine_for(family, model, {"name": "codec_compile"})
+
+
+@pytest.mark.gpu
+def test_compiled_codec_matches_package_on_cuda():
+    family = get_family("omnivoice")
+    model = family.build_model(ModelSpec(family="omnivoice", preset="tiny", device="cuda"))
+    eng = engine_for(family, model, {"name": "codec_compile"}, caps=DeviceCaps.probe("cuda"))
+    torch.manual_seed(0)
+    items = list(torch.randint(0, 1024, (3, 8, 40), device="cuda"))
+    want = _package_waves(model, items)
+    with torch.inference_mode():
+        for _ in range(3):  # compile, record the CUDA graph, replay it
+            got = eng.codec(eng, items, [None] * 3, eng.config())
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert float(abs(g - w).max()) <= 1e-3 * max(1e-3, float(abs(w).max())), (
+            float(abs(g - w).max()),
+            float(abs(w).max()),
+        )

@@ -6,6 +6,7 @@ Slots, in the order one unmasking step uses them:
   guidance  whether a step runs the unconditioned rows, and how log-probs combine (CFG)
   unmask    which masked positions a step commits (and whether the loop may exit early)
   loop      the whole iterative unmasking loop
+  codec     codes -> waveforms (the Higgs audio tokenizer's decoder, then post-processing)
 
 Stock is the package itself: `loop` calls OmniVoice._generate_iterative. When a technique
 fills forward/schedule/guidance/unmask, the loop becomes `slot_loop`, a faithful
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from omnivoice.models.omnivoice import (
@@ -34,7 +36,7 @@ from omnivoice.models.omnivoice import (
 
 from orchestrator.families.omnivoice.model import OmniVoiceModel
 
-SLOTS = ("forward", "schedule", "guidance", "unmask", "loop")
+SLOTS = ("forward", "schedule", "guidance", "unmask", "loop", "codec")
 LOOP_SLOTS = ("forward", "schedule", "guidance", "unmask")  # read only by slot_loop
 KNOBS = tuple(f.name for f in fields(OmniVoiceGenerationConfig))
 
@@ -96,6 +98,11 @@ class Unmask(Protocol):
 
 
 Loop = Callable[["Engine", GenerationTask, OmniVoiceGenerationConfig], list[torch.Tensor]]
+
+# (engine, per-item codes [C, T] or long-form chunk lists, per-item reference RMS, cfg)
+Codec = Callable[
+    ["Engine", list[Any], list[float | None], OmniVoiceGenerationConfig], list[np.ndarray]
+]
 
 
 # ------------------------------------------------------------------- stock slot parts
@@ -193,6 +200,7 @@ class Engine:
     guidance: Guidance
     unmask: Unmask
     loop: Loop
+    codec: Codec
     knobs: dict[str, Any] = field(default_factory=dict)  # OmniVoiceGenerationConfig fields
     batch: int = 1  # copies of each request generated together (throughput)
     filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
@@ -258,8 +266,17 @@ def stock_engine(model: OmniVoiceModel, reimplemented: bool = False) -> Engine:
         guidance=StockGuidance(),
         unmask=stock_unmask,
         loop=slot_loop if reimplemented else package_loop,
+        codec=package_codec,
         knobs=knobs,
     )
+
+
+def package_codec(
+    engine: Engine, codes: list[Any], rms: list[float | None], cfg: OmniVoiceGenerationConfig
+) -> list[np.ndarray]:
+    """Stock: the package decodes (and post-processes) one item at a time."""
+    ov = engine.model.ov
+    return [ov._decode_and_post_process(c, r, cfg) for c, r in zip(codes, rms, strict=True)]
 
 
 # ---------------------------------------------------------------------------- loops

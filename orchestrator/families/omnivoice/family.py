@@ -67,10 +67,7 @@ class OmniVoiceFamily:
         codes = engine.generate_codes(task, cfg)
         sync(model.device)
         t1 = time.perf_counter()
-        audios = [
-            ov._decode_and_post_process(codes[i], task.ref_rms[i], cfg)
-            for i in range(task.batch_size)
-        ]
+        audios = engine.codec(engine, codes, list(task.ref_rms), cfg)
         t2 = time.perf_counter()
         n_frames = sum(_frames(c) for c in codes)
         prompt_tokens = _prompt_tokens(ov, task, cfg)
