@@ -137,7 +137,9 @@ def _attn_split_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        qk = tl.where(s_mask[None, :], qk * qk_scale, float("-inf"))
+        # fp32 scale: under inductor a Python float argument arrives as fp64, which would
+        # promote the running max to fp64 (a loop-carried type change Triton rejects)
+        qk = tl.where(s_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: pos s0 is always valid
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
