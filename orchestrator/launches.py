@@ -8,6 +8,8 @@ loop, differenced between two lengths so prefill, the first step and one-off wor
 - `launches_per_step`: host launch calls per token (cudaLaunchKernel*, cuLaunchKernel*, and
   cudaGraphLaunch/cuGraphLaunch, each counting as one): what the CPU must issue. Under
   cuda_graph this is ~1; under graph_loop with a length policy it is the one graph per token.
+  Kernels inside a conditional WHILE node (while_graph) are invisible to CUPTI: measured on
+  the H200, the count comes back 0, so kernels_per_step is then left out, not reported as 0.
 
 `graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
 keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
@@ -64,10 +66,11 @@ def per_step(
     if t2 <= t1:
         return None
     steps = t2 - t1
-    return {
-        "kernels_per_step": (c2["kernels"] - c1["kernels"]) / steps,
-        "launches_per_step": (c2["launches"] - c1["launches"]) / steps,
-    }
+    out = {"launches_per_step": (c2["launches"] - c1["launches"]) / steps}
+    kernels = c2["kernels"] - c1["kernels"]
+    if kernels > 0:  # CUPTI does not see kernels run inside conditional graph nodes
+        out["kernels_per_step"] = kernels / steps  # (while_graph): no count beats a 0
+    return out
 
 
 def graph_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int:

@@ -69,3 +69,19 @@ def test_launch_counts_are_gpu_only(tiny_model):
     eng = FAMILY.build_engine(tiny_model, build_stack(stack("static_kv_cache")))
     wl = Workload(name="w", prompts=[{"id": "a", "text": "Hello there."}], seeds=[1])
     assert FAMILY.launches_per_step(eng, "Hello there.", 1, wl) is None
+
+
+def test_kernels_hidden_in_a_conditional_graph_are_not_reported_as_zero(monkeypatch):
+    """Under while_graph CUPTI sees no kernels (they run inside a conditional node): the
+    per-step kernel count is left out rather than reported as 0; launches still count."""
+    import torch
+
+    from orchestrator import launches
+
+    counts = iter([{"kernels": 30, "launches": 5}, {"kernels": 30, "launches": 5}])
+    monkeypatch.setattr(launches, "count_launches", lambda fn, device: (fn(), next(counts))[1])
+    out = launches.per_step(lambda frames: frames * 8, torch.device("cuda"))
+    assert out == {"launches_per_step": 0.0}
+    counts = iter([{"kernels": 30, "launches": 5}, {"kernels": 90, "launches": 21}])
+    out = launches.per_step(lambda frames: frames * 8, torch.device("cuda"))
+    assert out == {"launches_per_step": 1.0, "kernels_per_step": 3.75}
