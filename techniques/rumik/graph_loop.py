@@ -154,10 +154,15 @@ def graph_loop(
         tokens += state.tokens[done : done + n].tolist()  # one host sync per chunk
         done += n
         if vocab.end_id in tokens:
-            end = tokens.index(vocab.end_id)
-            stopped = state.stops[end].item() > 0.5
-            return Generation(tokens[:end], "stop_head" if stopped else "end_token", prefill_s)
+            return model_stop(tokens, state, vocab.end_id, prefill_s)
     return Generation(tokens, "token_cap", prefill_s)
+
+
+def model_stop(tokens: list[int], state: _Captured, end_id: int, prefill_s: float) -> Generation:
+    """Cut at the first end token; the stop head forced it where its probability was > 0.5."""
+    end = tokens.index(end_id)
+    stopped = state.stops[end].item() > 0.5
+    return Generation(tokens[:end], "stop_head" if stopped else "end_token", prefill_s)
 
 
 class GraphLoop(Technique):

@@ -23,7 +23,7 @@ from orchestrator.config import SamplingConfig
 from orchestrator.families.rumik.engine import Engine, Generation
 from orchestrator.technique import Technique, TechniqueParams
 from techniques.rumik.cuda_graph import graphs_twice
-from techniques.rumik.graph_loop import _Captured, start
+from techniques.rumik.graph_loop import _Captured, model_stop, start
 from techniques.rumik.kernels.while_node import WhileGraph
 
 
@@ -79,9 +79,7 @@ def while_graph_loop(
     if frames is not None:
         return Generation(tokens, "length_policy", prefill_s)
     if vocab.end_id in tokens:
-        end = tokens.index(vocab.end_id)
-        stopped = state.stops[end].item() > 0.5
-        return Generation(tokens[:end], "stop_head" if stopped else "end_token", prefill_s)
+        return model_stop(tokens, state, vocab.end_id, prefill_s)
     return Generation(tokens, "token_cap", prefill_s)
 
 
