@@ -10,3 +10,14 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING || true
 python3 -c "import orchestrator.registry as r; print('techniques:', sorted(r.discover()))"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv,noheader
+# FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
+# than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
+# carried from an earlier host (tar keeps its mtimes), which cost a ~105 s rebuild per call
+# on the H200. Ageing the installed sources lets ninja see the carried cache as up to date:
+#   export FLASHINFER_WORKSPACE_BASE=/tmp/fi; tar xzf fi-cache.tgz -C /tmp   (before a run)
+#   tar czf $OUT/fi-cache.tgz -C /tmp fi                                     (after one)
+# (Not yet seen working on the GPU host: the session that found the rebuild had no time left.)
+for pkg in /tmp/site/flashinfer /tmp/site/tvm_ffi; do
+    [ -d "$pkg" ] && find "$pkg" -exec touch -h -d "2001-01-01" {} +
+done
+true
