@@ -1,9 +1,11 @@
 # The exp74 headline for one device call (run from the repo root on the GPU host):
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh; bash benchmarks/exp74.sh
 # GPU tests of the newest decode techniques first (bounded), then stock (A) vs baseline B vs
-# the exact graph stack vs exp74 vs exp74-full (+ fused rope/norm + PDL) at real shape,
-# interleaved in one worker. A stack that fails is recorded as failed; the others still run.
+# the exact graph stack vs exp74 and its variants (+ fused glue and PDL; the WHILE-graph
+# loop; INT6; the inductor-compiled step) at real shape, interleaved in one worker. A stack
+# that fails is recorded as failed; the others still run. About 450 s on an H200.
 timeout 80 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider \
-    -k "fused or int6 or pdl or launches or graph_kernel" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
-timeout 460 bash benchmarks/gpu_run.sh exp74 --stack baseline-b --stack exact-graph --stack exp74 \
-    --stack exp74-full --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 64
+    -k "fused or int6 or pdl or launches or graph_kernel or while_graph" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
+timeout 500 bash benchmarks/gpu_run.sh exp74 --stack baseline-b --stack exact-graph --stack exp74 \
+    --stack exp74-full --stack exp74-while --stack exp74-int6 --stack exp74-compiled \
+    --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 64
