@@ -3,7 +3,8 @@
 # GPU tests of the newest decode techniques first (bounded), then stock (A) vs baseline B vs
 # the exact graph stack vs exp74 and its variants (+ fused glue and PDL; the WHILE-graph
 # loop; INT6; the inductor-compiled step) at real shape, interleaved in one worker. A stack
-# that fails is recorded as failed; the others still run. About 450 s on an H200.
+# that fails is recorded as failed; the others still run. Without a working exp74-compiled
+# this took ~470 s on an H200; with its compile it may need the full 600 s of a call.
 timeout 80 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider \
     -k "fused or int6 or pdl or launches or graph_kernel or while_graph" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
 timeout 500 bash benchmarks/gpu_run.sh exp74 --stack baseline-b --stack exact-graph --stack exp74 \
