@@ -12,4 +12,11 @@ rc=$?
 id=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['id'])" "$OUT/$name.json" 2>/dev/null)
 [ -n "$id" ] && python3 -m orchestrator.cli show "$id" --db "$db"
 tail -3 "$OUT/$name"/*/worker.log 2>/dev/null
+# A device call returns a limited number of files: with many stacks the per-utterance WAVs
+# crowded out result.json once (session 3), so the evidence is copied up to $OUT and the
+# WAVs (one level too deep to come back anyway) are dropped.
+for f in result.json events.jsonl worker.log; do
+    cp "$OUT/$name"/*/"$f" "$OUT/$name.${f%%.*}.${f##*.}" 2>/dev/null
+done
+find "$OUT/$name" -name '*.wav' -delete 2>/dev/null
 echo "$name: exit $rc"
