@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 
 from orchestrator.technique import Refused, Technique, TechniqueParams
-from techniques.omnivoice.torch_compile import RECOMPILE_LIMIT
+from techniques.omnivoice.torch_compile import raise_recompile_limit
 
 
 class CodecCompileParams(TechniqueParams):
@@ -39,13 +39,9 @@ class BatchedCodec:
     def __init__(self, tokenizer: Any, mode: str):
         self.tokenizer = tokenizer
         self.mode = mode
-        self.decode = tokenizer.decode
+        self.decode = self._decode
         if mode != "none":
-            import torch._dynamo.config as dynamo_config
-
-            for knob in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo_config, knob):
-                    setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), RECOMPILE_LIMIT))
+            raise_recompile_limit()
             self.decode = torch.compile(self._decode, mode=mode, dynamic=False)
 
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -57,7 +53,7 @@ class BatchedCodec:
         codes = codes.to(self.tokenizer.device)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        out = self.decode(codes) if self.mode != "none" else self._decode(codes)
+        out = self.decode(codes)
         return out[:, 0].float().cpu().numpy()  # copied out before the graph's next replay
 
     def __call__(
@@ -67,9 +63,7 @@ class BatchedCodec:
         raw: list[np.ndarray | None] = [None] * len(codes)
         by_length: dict[int, list[int]] = defaultdict(list)
         for i, c in enumerate(codes):
-            if isinstance(c, list):  # long-form: chunks decoded and cross-faded by the package
-                raw[i] = None
-            else:
+            if not isinstance(c, list):  # long-form chunk lists: the package's own path below
                 by_length[c.shape[-1]].append(i)
         for idx in by_length.values():
             waves = self.waveforms(torch.stack([codes[i] for i in idx]))

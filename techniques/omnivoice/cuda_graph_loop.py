@@ -242,16 +242,8 @@ def refuse_unsupported(engine: Engine) -> None:
                 f"cuda_graph_loop runs the stock {slot} math; {engine.filled[slot]!r} fills "
                 f"the {slot!r} slot, which this loop would silently ignore"
             )
-    if compile_mode(engine.forward) == "reduce-overhead":
+    if getattr(engine.forward, "compile_mode", None) == "reduce-overhead":
         raise RuntimeError(REDUCE_OVERHEAD)
-
-
-def compile_mode(forward: Any) -> str | None:
-    """torch_compile's mode, read from its wrapper's closure (None if not compiled)."""
-    if not hasattr(forward, "shapes_seen") or not forward.__closure__:
-        return None
-    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__, strict=True))
-    return cells["mode"].cell_contents if "mode" in cells else None
 
 
 REDUCE_OVERHEAD = (

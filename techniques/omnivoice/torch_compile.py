@@ -28,12 +28,17 @@ class TorchCompileParams(TechniqueParams):
     fullgraph: bool = Field(False, description="Fail instead of splitting the graph.")
 
 
-def compile_forward(inner: Any, mode: str, fullgraph: bool) -> Any:
+def raise_recompile_limit() -> None:
+    """Let dynamo keep one graph per request shape instead of silently falling back."""
     import torch._dynamo.config as dynamo_config
 
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, knob):
             setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), RECOMPILE_LIMIT))
+
+
+def compile_forward(inner: Any, mode: str, fullgraph: bool) -> Any:
+    raise_recompile_limit()
     compiled = torch.compile(inner, mode=mode, fullgraph=fullgraph, dynamic=False)
     seen: set[tuple[int, ...]] = set()
 
@@ -46,6 +51,7 @@ def compile_forward(inner: Any, mode: str, fullgraph: bool) -> Any:
         return out.clone() if mode == "reduce-overhead" else out
 
     forward.shapes_seen = seen  # type: ignore[attr-defined]
+    forward.compile_mode = mode  # type: ignore[attr-defined]  # read by graph-capturing loops
     return forward
 
 
