@@ -33,6 +33,7 @@ from orchestrator.families.omnivoice.engine import (
     build_cfg_batch,
     position_scores,
     predict,
+    record_passes,
 )
 from orchestrator.technique import Technique, TechniqueParams
 
@@ -218,10 +219,7 @@ def graph_loop(
     else:
         loop.run()
     steps, rows = layout.num_step, layout.num_step * 2 * layout.B
-    engine.notes["last"] = {"steps_run": steps, "rows_run": rows}
-    total = engine.notes.setdefault("passes", {"steps": 0, "rows": 0})  # chunks add up
-    total["steps"] += steps
-    total["rows"] += rows
+    record_passes(engine, steps, rows)
     return loop.outputs()
 
 
@@ -252,10 +250,6 @@ REDUCE_OVERHEAD = (
 )
 
 
-class CudaGraphLoopParams(TechniqueParams):
-    pass
-
-
 class CudaGraphLoop(Technique):
     name = "cuda_graph_loop"
     family = "omnivoice"
@@ -267,7 +261,6 @@ class CudaGraphLoop(Technique):
         "all unmasking steps captured as one CUDA graph per request shape; "
         "APPROXIMATE (other random stream)"
     )
-    Params = CudaGraphLoopParams
 
     @classmethod
     def check_stack(

@@ -367,11 +367,17 @@ def slot_loop(
             engine.unmask(log_probs, sample, k, step, cfg, mask_id)
             batch.input_ids[i : i + 1, :, c_len - t_len : c_len] = sample
             batch.input_ids[B + i : B + i + 1, :, :t_len] = sample
-    engine.notes["last"] = {"steps_run": steps_run, "rows_run": rows_run}
-    total = engine.notes.setdefault("passes", {"steps": 0, "rows": 0})  # chunks add up
-    total["steps"] += steps_run
-    total["rows"] += rows_run
+    record_passes(engine, steps_run, rows_run)
     return [tokens[i, :, : task.target_lens[i]] for i in range(B)]
+
+
+def record_passes(engine: Engine, steps: int, rows: int) -> None:
+    """Forwards of one loop call, for the worker's per-forward metrics; long-form chunks
+    call the loop once each, so the synthesis total adds up."""
+    engine.notes["last"] = {"steps_run": steps, "rows_run": rows}
+    total = engine.notes.setdefault("passes", {"steps": 0, "rows": 0})
+    total["steps"] += steps
+    total["rows"] += rows
 
 
 slot_loop.reads_slots = 1  # type: ignore[attr-defined]
