@@ -7,7 +7,7 @@ validation too (e.g. num_step >= 1), so a bad value fails at engine build, by na
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import Field
 
@@ -15,12 +15,18 @@ from orchestrator.technique import Technique, TechniqueParams
 
 
 class _Knob(Technique):
+    """Sets the OmniVoiceGenerationConfig field named like the technique; claims the slot
+    `knob.<name>` (confidence_parallel claims knob.num_step too: it sets the step limit)."""
+
     family = "omnivoice"
     exact = False
-    knob: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.slots = (f"knob.{cls.name}",)
 
     def apply(self, engine: Any) -> None:
-        engine.knobs[self.knob] = self.params.value  # type: ignore[attr-defined]
+        engine.knobs[self.name] = self.params.value  # type: ignore[attr-defined]
         engine.config()  # validate now, naming the knob
 
 
@@ -30,8 +36,6 @@ class NumStepParams(TechniqueParams):
 
 class NumStep(_Knob):
     name = "num_step"
-    knob = "num_step"
-    slots = ("knob.num_step",)
     summary = "unmasking steps (default 32; the docs suggest 16 for speed)"
     Params = NumStepParams
 
@@ -42,8 +46,6 @@ class GuidanceScaleParams(TechniqueParams):
 
 class GuidanceScale(_Knob):
     name = "guidance_scale"
-    knob = "guidance_scale"
-    slots = ("knob.guidance_scale",)
     summary = "classifier-free guidance scale (0 still computes the unconditioned rows)"
     Params = GuidanceScaleParams
 
@@ -54,8 +56,6 @@ class TShiftParams(TechniqueParams):
 
 class TShift(_Knob):
     name = "t_shift"
-    knob = "t_shift"
-    slots = ("knob.t_shift",)
     summary = "time-step shift of the unmasking schedule"
     Params = TShiftParams
 
@@ -66,8 +66,6 @@ class PositionTemperatureParams(TechniqueParams):
 
 class PositionTemperature(_Knob):
     name = "position_temperature"
-    knob = "position_temperature"
-    slots = ("knob.position_temperature",)
     summary = "temperature of which positions unmask (0: deterministic; hurt long-form)"
     Params = PositionTemperatureParams
 
@@ -78,7 +76,5 @@ class LayerPenaltyFactorParams(TechniqueParams):
 
 class LayerPenaltyFactor(_Knob):
     name = "layer_penalty_factor"
-    knob = "layer_penalty_factor"
-    slots = ("knob.layer_penalty_factor",)
     summary = "how strongly earlier codebooks unmask first"
     Params = LayerPenaltyFactorParams
