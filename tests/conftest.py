@@ -19,6 +19,8 @@ from orchestrator.records import (
     UtteranceRecord,
 )
 
+pytest_plugins = ["omnivoice_fixtures"]  # family, model, engine_for of the OmniVoice tests
+
 # ------------------------------------------ store/tracking tests: fabricated result records
 
 MakeResult = Callable[..., ResultRecord]

@@ -8,7 +8,6 @@ Skipped where `omnivoice` cannot be imported.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import types
 from typing import ClassVar
@@ -18,8 +17,9 @@ import torch
 
 pytest.importorskip("omnivoice", exc_type=ImportError)
 
-from orchestrator.config import ModelSpec, StackSpec, TechniqueRef
-from orchestrator.families import get_family
+from omnivoice_fixtures import engine_for
+
+from orchestrator.config import ModelSpec, StackSpec
 from orchestrator.families.omnivoice.engine import build_cfg_batch, slot_loop, stock_engine
 from orchestrator.registry import StackError, build_stack
 from orchestrator.technique import DeviceCaps, Refused
@@ -30,28 +30,6 @@ TEXTS = ["The morning train was late again.", "Short, then a much longer sentenc
 # fp32 on the tiny model: packing changes only the SDPA call's length (no padded keys), so
 # the two agree to rounding; logits have std ~0.16 here.
 FP32_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    os.environ.setdefault("ORCHESTRATE_CACHE", str(tmp_path_factory.mktemp("ovcache")))
-
-
-@pytest.fixture(scope="module")
-def family():
-    return get_family("omnivoice")
-
-
-@pytest.fixture(scope="module")
-def model(family):
-    return family.build_model(ModelSpec(family="omnivoice", preset="tiny"))
-
-
-def engine_for(family, model, *techniques, caps=None):
-    spec = StackSpec(
-        name="s", family="omnivoice", techniques=[TechniqueRef(**t) for t in techniques]
-    )
-    return family.build_engine(model, build_stack(spec, caps or DeviceCaps("cpu")))
 
 
 def read_mask(c_lens, t_lens, rows, seq) -> torch.Tensor:

@@ -15,12 +15,13 @@ import torch
 
 pytest.importorskip("omnivoice", exc_type=ImportError)
 
+from omnivoice_fixtures import engine_for
+
 from orchestrator.config import (
     ModelSpec,
     OperatingPoint,
     Prompt,
     StackSpec,
-    TechniqueRef,
     Workload,
 )
 from orchestrator.families import get_family
@@ -37,21 +38,6 @@ TEXT = "The morning train was late again."
 REF_TEXT = "The weather was calm, so we took the small boat out across the bay."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    os.environ.setdefault("ORCHESTRATE_CACHE", str(tmp_path_factory.mktemp("ovcache")))
-
-
-@pytest.fixture(scope="module")
-def family():
-    return get_family("omnivoice")
-
-
-@pytest.fixture(scope="module")
-def model(family):
-    return family.build_model(ModelSpec(family="omnivoice", preset="tiny"))
-
-
 def workload(**points) -> Workload:
     points = points or {"p": OperatingPoint()}
     return Workload(
@@ -63,13 +49,6 @@ def workload(**points) -> Workload:
         length_policy={"mode": "model"},
         measure_ttfa=False,
     )
-
-
-def engine_for(family, model, *techniques, caps=None):
-    spec = StackSpec(
-        name="s", family="omnivoice", techniques=[TechniqueRef(**t) for t in techniques]
-    )
-    return family.build_engine(model, build_stack(spec, caps or DeviceCaps("cpu")))
 
 
 def codes(engine, text=TEXT, seed=11, **request):

@@ -7,12 +7,11 @@ capture the same steps and compare again, then check replays and seeds.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("omnivoice", exc_type=ImportError)
+
 
 from orchestrator.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload, load_stack
 from orchestrator.families import get_family
@@ -28,16 +27,6 @@ LONG = "She opened the letter slowly, unsure whether she wanted to know what it 
 RECIPE = {"num_step": 10, "guidance_scale": 2.5}
 GREEDY = {"position_temperature": 0.0, "class_temperature": 0.0}
 H200 = DeviceCaps("cuda", (9, 0), "NVIDIA H200")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    os.environ.setdefault("ORCHESTRATE_CACHE", str(tmp_path_factory.mktemp("ovcache")))
-
-
-@pytest.fixture(scope="module")
-def model():
-    return get_family("omnivoice").build_model(ModelSpec(family="omnivoice", preset="tiny"))
 
 
 def engine(model, loop, batch: int = 1, cache_off: bool = True, **knobs) -> Engine:
