@@ -34,6 +34,13 @@ def build(model, techniques):
     return FAMILY.build_engine(model, built)
 
 
+# exp74 and exp74-full without their loop technique (graph_loop / while_graph)
+EXP74_BODY = [(name, {}) for name in (
+    "static_kv_cache", "int8_projections", "decode_attention", "codebook_head", "device_sampler"
+)]  # fmt: skip
+EXP74_FULL_BODY = [*EXP74_BODY[:4], ("fused_rope_norm", {}), ("device_sampler", {})]
+
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def case(request):
     model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype=request.param))
@@ -136,14 +143,7 @@ def _generate(eng, prompt, frames, seed):
 
 def test_graph_loop_generates_valid_reproducible_tokens(case128):
     model, prompt, _ = case128
-    exp74 = [
-        ("static_kv_cache", {}),
-        ("int8_projections", {}),
-        ("decode_attention", {}),
-        ("codebook_head", {}),
-        ("device_sampler", {}),
-        ("graph_loop", {}),
-    ]
+    exp74 = [*EXP74_BODY, ("graph_loop", {})]
     eng = build(model, exp74)
     a = _generate(eng, prompt, 10, seed=42)
     b = _generate(eng, prompt, 10, seed=42)
@@ -168,15 +168,7 @@ def test_while_graph_generates_graph_loops_tokens(case128):
     """One conditional WHILE graph per utterance gives exactly graph_loop's tokens, under a
     length policy and when the model decides the length (end token, stop head)."""
     model, prompt, _ = case128
-    body = [
-        ("static_kv_cache", {}),
-        ("int8_projections", {}),
-        ("decode_attention", {}),
-        ("codebook_head", {}),
-        ("fused_rope_norm", {}),
-        ("device_sampler", {}),
-        ("pdl", {}),
-    ]
+    body = [*EXP74_FULL_BODY, ("pdl", {})]
     host = build(model, [*body, ("graph_loop", {})])
     device = build(model, [*body, ("while_graph", {})])
     for seed in (42, 43):  # twice: the second launch reuses the instantiated graph
@@ -201,17 +193,7 @@ def test_while_graph_is_one_launch_per_utterance(case128):
 
     model, _, _ = case128
     wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])
-    eng = build(
-        model,
-        [
-            ("static_kv_cache", {}),
-            ("int8_projections", {}),
-            ("decode_attention", {}),
-            ("codebook_head", {}),
-            ("device_sampler", {}),
-            ("while_graph", {}),
-        ],
-    )
+    eng = build(model, [*EXP74_BODY, ("while_graph", {})])
     counts = FAMILY.launches_per_step(eng, wl.prompts[0].text, 3, wl)
     assert counts["launches_per_step"] < 0.2, counts  # one graph launch for 24 tokens
 
@@ -318,14 +300,7 @@ def test_pdl_technique_full_stack_matches_without_pdl(case128):
     """exp74-full (int8 + fused glue + PDL everywhere, graph_loop) generates the tokens the
     same stack without PDL generates: PDL changes launch overlap, not results."""
     model, prompt, _ = case128
-    body = [
-        ("static_kv_cache", {}),
-        ("int8_projections", {}),
-        ("decode_attention", {}),
-        ("codebook_head", {}),
-        ("fused_rope_norm", {}),
-        ("device_sampler", {}),
-    ]
+    body = EXP74_FULL_BODY
     with_pdl = build(model, [*body, ("pdl", {}), ("graph_loop", {})])
     assert with_pdl.notes["pdl_switched"] == [
         "int8_projections",
