@@ -12,7 +12,8 @@ python3 -c "import orchestrator.registry as r; print('techniques:', sorted(r.dis
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv,noheader
 # FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
-# carried from an earlier host (tar keeps its mtimes), which cost a ~105 s rebuild per call
+# carried from an earlier host (tar keeps its mtimes): a rebuild per call (~105 s cold in one
+# console run of benchmarks/flashinfer_smoke.py on the H200; not a saved record)
 # on the H200. Ageing the installed sources lets ninja see the carried cache as up to date:
 #   export FLASHINFER_WORKSPACE_BASE=/tmp/fi; tar xzf fi-cache.tgz -C /tmp   (before a run)
 #   tar czf $OUT/fi-cache.tgz -C /tmp fi                                     (after one)

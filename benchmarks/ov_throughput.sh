@@ -2,7 +2,8 @@
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh; bash benchmarks/ov_throughput.sh
 # The compiled recipe, ov-best and the FlashInfer path, each at batch 1, 2, 4 and 8 on one
 # short prompt (ov-tput); utterances/s = batch / latency, and `orchestrate figures` draws
-# them. FlashInfer JIT-compiles its kernel (~105 s cold on the H200): carry the cache as
+# them. FlashInfer JIT-compiles its kernel (~105 s cold once on the H200, console output of
+# benchmarks/flashinfer_smoke.py): carry the cache as
 # fi-cache.tgz in the tree's root to skip that; the new cache is written back to $OUT.
 # Not yet run as one script: session 3's attempt (12 stacks, two prompts) ran out of time.
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi
