@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --for
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
 # carried from an earlier host (tar keeps its mtimes): a rebuild per call (~105 s cold in one
 # console run of benchmarks/flashinfer_smoke.py on the H200; not a saved record)
-# on the H200. Ageing the installed sources lets ninja see the carried cache as up to date:
+# Ageing the installed sources lets ninja see the carried cache as up to date:
 #   export FLASHINFER_WORKSPACE_BASE=/tmp/fi; tar xzf fi-cache.tgz -C /tmp   (before a run)
 #   tar czf $OUT/fi-cache.tgz -C /tmp fi                                     (after one)
 # (Not yet seen working on the GPU host: the session that found the rebuild had no time left.)
