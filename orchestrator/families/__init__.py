@@ -6,6 +6,8 @@ fail at once with the list of known ones.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +16,13 @@ import numpy as np
 from orchestrator.config import ModelSpec, Workload
 from orchestrator.records import FidelityRecord
 from orchestrator.registry import BuiltStack
+
+
+def configs_hash(**configs: Any) -> str:
+    """16 hex digits naming a model's architecture: its configs' dicts, keys sorted (the
+    environment records it, so results of different shapes are never compared)."""
+    blob = json.dumps({k: c.to_dict() for k, c in configs.items()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 @dataclass

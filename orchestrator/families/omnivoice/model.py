@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from orchestrator.config import ModelSpec
+from orchestrator.families import configs_hash
 from orchestrator.families.omnivoice.presets import (
     AUDIO_VOCAB,
     MASK_ID,
@@ -71,12 +72,7 @@ class OmniVoiceModel:
         return int(self.ov.audio_tokenizer.config.frame_rate)
 
     def config_hash(self) -> str:
-        blob = json.dumps(
-            {"lm": self.ov.config.to_dict(), "codec": self.ov.audio_tokenizer.config.to_dict()},
-            sort_keys=True,
-            default=str,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return configs_hash(lm=self.ov.config, codec=self.ov.audio_tokenizer.config)
 
 
 def _dtype(name: str) -> torch.dtype:

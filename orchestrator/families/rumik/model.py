@@ -17,6 +17,7 @@ from torch import nn
 from transformers import Cohere2Config, Cohere2ForCausalLM, MimiConfig, MimiModel
 
 from orchestrator.config import ModelSpec
+from orchestrator.families import configs_hash
 from orchestrator.families.rumik.presets import PRESETS, RumikPreset
 from orchestrator.families.rumik.vocab import AudioVocab, ByteTokenizer
 
@@ -63,14 +64,7 @@ class RumikModel:
         return self.lm.config
 
     def config_hash(self) -> str:
-        import hashlib
-
-        blob = json.dumps(
-            {"lm": self.lm.config.to_dict(), "codec": self.codec.config.to_dict()},
-            sort_keys=True,
-            default=str,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return configs_hash(lm=self.lm.config, codec=self.codec.config)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)
