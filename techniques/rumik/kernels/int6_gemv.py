@@ -52,6 +52,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
+from .int8_gemv import _store_scaled
 
 patch_interpreter_scalars()
 
@@ -149,22 +150,8 @@ def _int6_gemv_kernel(
         b0, b1, b2 = n0, n1, n2
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    part = tl.sum(acc, axis=1)
-    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, (part * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(part_ptr + pid_k * N + offs_n, part, mask=n_mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):  # fixed order: deterministic
-                total += tl.load(
-                    part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + offs_n, (total * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm
+    _store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
+                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- torch side

@@ -164,6 +164,32 @@ def _dequant(w, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _store_scaled(
+    part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask, pid_n, pid_k, N,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """The per-channel scale, applied once per output; with split-K, the last program of
+    each row block (counted with an atomic) sums the partials and re-arms the semaphore.
+    Shared by the int8 and int6 GEMVs."""
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_n, (part * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, part, mask=n_mask)
+        # all threads' partial stores precede the release below (bar.sync + acq_rel atomic)
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # fixed order: the result does not depend on who is last
+                total += tl.load(
+                    part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + offs_n, (total * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm for replay
+
+
+@triton.jit
 def _int8_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -210,23 +236,8 @@ def _int8_gemv_kernel(
             acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    part = tl.sum(acc, axis=1)
-    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, (part * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(part_ptr + pid_k * N + offs_n, part, mask=n_mask)
-        # all threads' partial stores precede the release below (bar.sync + acq_rel atomic)
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):  # fixed order: the result does not depend on who is last
-                total += tl.load(
-                    part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + offs_n, (total * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm for replay
+    _store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
+                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
