@@ -162,17 +162,23 @@ def _time_gemv(
     }  # fmt: skip
 
 
-def bench_gemv_stack() -> dict[str, Any]:
-    """The 36-layer projection stack (packed in + packed out) in one graph: int8 vs bf16."""
+def _projection_stack(*forms: Callable[[torch.Tensor], Any]) -> tuple[list, list[list]]:
+    """The 36 layers' packed projections (in: 25088x2048, out: 2048x13056) as random bf16
+    weights, each kept in every form asked for, and the inputs they multiply in order."""
     x_in = torch.randn(1, HIDDEN, device=DEV, dtype=BF16)
     x_out = torch.randn(1, 13056, device=DEV, dtype=BF16)
-    w16, w8 = [], []
+    weights: list[list] = [[] for _ in forms]
     for _ in range(LAYERS):
         for n, k in ((25088, 2048), (2048, 13056)):
             w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
-            w8.append(gemv.quantize_int8(w))
-            w16.append(w)
-    xs = [x_in, x_out] * LAYERS
+            for kept, form in zip(weights, forms, strict=True):
+                kept.append(form(w))
+    return [x_in, x_out] * LAYERS, weights
+
+
+def bench_gemv_stack() -> dict[str, Any]:
+    """The 36-layer projection stack (packed in + packed out) in one graph: int8 vs bf16."""
+    xs, (w16, w8) = _projection_stack(lambda w: w, gemv.quantize_int8)
 
     def run16() -> None:
         for w, x in zip(w16, xs, strict=True):
@@ -242,15 +248,7 @@ def bench_int6(tune: bool) -> dict[str, Any]:
 
 
 def _int6_stack() -> dict[str, Any]:
-    x_in = torch.randn(1, HIDDEN, device=DEV, dtype=BF16)
-    x_out = torch.randn(1, 13056, device=DEV, dtype=BF16)
-    w6, w8 = [], []
-    for _ in range(LAYERS):
-        for n, k in ((25088, 2048), (2048, 13056)):
-            w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
-            w6.append(g6.quantize_int6(w))
-            w8.append(gemv.quantize_int8(w))
-    xs = [x_in, x_out] * LAYERS
+    xs, (w6, w8) = _projection_stack(g6.quantize_int6, gemv.quantize_int8)
 
     def run6(pdl: bool) -> None:
         for (p, s), x in zip(w6, xs, strict=True):
