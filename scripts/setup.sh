@@ -12,6 +12,16 @@ if ! command -v flite >/dev/null 2>&1; then  # several test voices for speaker-s
         echo "warning: flite missing (apt-get install flite); speaker-similarity tests need it"
     fi
 fi
+# The CUDA build of torch 2.11 and its libraries take about 6.5 GB in .venv: say so up front
+# rather than fail half-way through pip with "No space left on device".
+if [ ! -x .venv/bin/torchrun ]; then
+    free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+    if [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+        echo "error: setup needs about 8 GB free for .venv (torch 2.11 with its CUDA libraries);" \
+             "$(df -Ph . | awk 'NR == 2 {print $4}') free on $(df -P . | awk 'NR == 2 {print $6}')" >&2
+        exit 1
+    fi
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.11.0" "torchaudio==2.11.0"
