@@ -406,6 +406,9 @@ def figures(
     run: Annotated[
         str | None, typer.Option(help="Run for the quality screen (default: latest holdout).")
     ] = None,
+    ladder_run: Annotated[
+        str | None, typer.Option(help="Run for the ladder (default: the workload's newest).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Output folder.")] = REPORTS_DIR / "figures",
     protocol: ProtocolOpt = "protocol",
     db: DbOpt = None,
@@ -420,7 +423,14 @@ def figures(
         name = load_workload(workload).name
         store = open_store(db)
         manifest = render_all(
-            store, current, name, out, spec, hardware, store.resolve(run) if run else None
+            store,
+            current,
+            name,
+            out,
+            spec,
+            hardware,
+            store.resolve(run) if run else None,
+            store.resolve(ladder_run) if ladder_run else None,
         )
     except (ConfigError, proto.ProtocolError, LookupError) as exc:
         fail(str(exc))

@@ -309,8 +309,10 @@ def render_all(
     model: ModelSpec | None = None,
     hardware: str | None = None,
     screen_run: str | None = None,
+    ladder_run: str | None = None,
 ) -> dict[str, Any]:
-    """Draw every figure that has data; returns (and writes) the manifest."""
+    """Draw every figure that has data; returns (and writes) the manifest. The ladder is
+    drawn from `ladder_run`, else from the newest finished run of the workload."""
     data = collect(store, protocol, workload, model, hardware)
     manifest: dict[str, Any] = {
         "generated_at": utcnow().isoformat(),
@@ -348,21 +350,29 @@ def render_all(
         manifest["figures"]["holdout_deltas.png"] = {"runs": [e["run_id"] for e in evaluations]}
     else:
         manifest["skipped"]["holdout_deltas.png"] = "no scored holdout evaluation"
-    _serving_figures(store, workload, out_dir, data.hardware, manifest)
+    _serving_figures(store, workload, out_dir, data.hardware, manifest, ladder_run)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     return manifest
 
 
 def _serving_figures(
-    store: Store, workload: str, out_dir: Path, hardware: str | None, manifest: dict[str, Any]
+    store: Store,
+    workload: str,
+    out_dir: Path,
+    hardware: str | None,
+    manifest: dict[str, Any],
+    ladder_run: str | None = None,
 ) -> None:
-    runs = finished_runs(store, workload)
-    rungs = ladder(store.get_result(runs[-1]["id"])) if runs else []
+    runs = [r["id"] for r in finished_runs(store, workload)]
+    if ladder_run is not None and ladder_run not in runs:
+        raise LookupError(f"run {ladder_run} is not a finished run of workload {workload!r}")
+    run_id = ladder_run or (runs[-1] if runs else None)
+    rungs = ladder(store.get_result(run_id)) if run_id else []
     if len(rungs) > 1:
-        title = f"Ladder · run {runs[-1]['id'][:8]} · {workload}"
+        title = f"Ladder · run {run_id[:8]} · {workload}"
         ladder_figure(rungs, out_dir / "ladder.png", title)
-        manifest["figures"]["ladder.png"] = {"runs": [runs[-1]["id"]]}
+        manifest["figures"]["ladder.png"] = {"runs": [run_id]}
     else:
         manifest["skipped"]["ladder.png"] = "no finished run with two stacks"
     data = throughput(store, workload, hardware)

@@ -389,3 +389,20 @@ def test_ladder_and_throughput_figures_from_stored_records(tmp_path, make_result
     assert (tmp_path / "fig" / "ladder.png").stat().st_size > 0
     assert (tmp_path / "fig" / "throughput.png").stat().st_size > 0
     assert manifest["figures"]["ladder.png"]["runs"]
+
+
+def test_ladder_figure_of_a_chosen_run(tmp_path, make_result_record):
+    from orchestrator.runner import comparisons
+    from orchestrator.store import Store
+    from reports.figures import render_all
+
+    with Store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        for job_id in ("older001", "newer002"):
+            result = make_result_record(job_id=job_id)
+            store.ingest(result, comparisons(result))
+        ids = [r["id"] for r in store.list_runs()]
+        for run_id in ids:
+            manifest = render_all(store, Protocol(), "smoke", tmp_path / "fig", ladder_run=run_id)
+            assert manifest["figures"]["ladder.png"]["runs"] == [run_id]
+        with pytest.raises(LookupError, match="not a finished run of workload 'smoke'"):
+            render_all(store, Protocol(), "smoke", tmp_path / "fig", ladder_run="nope")
