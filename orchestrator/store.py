@@ -41,6 +41,7 @@ from orchestrator.store_rows import (
     classify_failure,
     failure_row,
     maybe_json,
+    model_label,
     run_fields,
     stack_fields,
     stack_result,
@@ -279,7 +280,11 @@ class Store:
         query = query.options(selectinload(Run.stack_results).selectinload(StackResultRow.stack))
         with self._read() as s:
             return [
-                {**run_fields(run), "stacks": [sr.stack.name for sr in run.stack_results]}
+                {
+                    **run_fields(run),
+                    "model": model_label(json.loads(run.model_json)),
+                    "stacks": [sr.stack.name for sr in run.stack_results],
+                }
                 for run in s.scalars(query)
             ]
 

@@ -176,3 +176,9 @@ def stack_result(st: dict[str, Any]) -> StackResult:
         fidelity=None if st["fidelity"] is None else FidelityRecord.model_validate(st["fidelity"]),
         metrics=st["metrics"],
     )
+
+
+def model_label(model: dict[str, Any]) -> str:
+    """Short model description for listings: preset, device, dtype, and whose weights."""
+    weights = "random" if model.get("weights") is None else "weights"
+    return f"{model['preset']} {model['device']} {model['dtype']} {weights}"

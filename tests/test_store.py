@@ -462,6 +462,7 @@ def test_list_runs(store: Store, make_result_record: MakeResult) -> None:
     assert store.list_runs(family="omnivoice") == []
     assert len(store.list_runs(family="rumik")) == 4
     assert "model_json" not in runs[0]
+    assert runs[1]["model"] == "tiny cpu float32 random"  # the `runs` listing's model column
     json.dumps(runs, default=str)  # plain data, no ORM objects
 
 
