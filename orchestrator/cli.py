@@ -336,6 +336,34 @@ def _show(run_row: dict[str, Any]) -> None:
 
 
 @app.command()
+def diff(
+    run_a: Annotated[str, typer.Argument(help="Run id or unique prefix (the reference).")],
+    run_b: Annotated[str, typer.Argument(help="Run id or unique prefix (compared with a).")],
+    threshold: Annotated[
+        float, typer.Option(min=0.0, help="Relative change below which a number counts as equal.")
+    ] = 0.02,
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Only what differs between two runs: settings, environment, stacks and metrics."""
+    from reports.run_diff import diff_runs
+    from reports.tables import run_diff_tables
+
+    try:
+        store = open_store(db)
+        result = diff_runs(
+            store.get_run(run_a, utterances=False), store.get_run(run_b, utterances=False),
+            threshold,
+        )  # fmt: skip
+    except (KeyError, LookupError, ValueError) as exc:
+        fail(str(exc))
+    if as_json:
+        return print_json(result.to_json())
+    for table in run_diff_tables(result):
+        console.print(table)
+
+
+@app.command()
 def schema(
     name: Annotated[str | None, typer.Argument(help=f"One of {sorted(SCHEMAS)}.")] = None,
 ) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from reports.run_diff import RunDiff
 
 COLUMNS = [
     ("median_latency_s", "median s", "{:.3f}"),
@@ -61,3 +65,47 @@ def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
         )
         table.add_row(s["name"], status, *cells, valid, "yes" if s.get("exact", True) else "APPROX")
     return table
+
+
+def _cell(value: Any, width: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def run_diff_tables(d: RunDiff) -> list[Table | str]:
+    """`orchestrate diff`: one table per part that has a difference, then a summary line."""
+    a, b = d.a[:8], d.b[:8]
+    out: list[Table | str] = []
+    if d.settings:
+        table = Table(title=f"settings and environment · {a} -> {b}")
+        for col in ("key", a, b):
+            table.add_column(col)
+        for c in d.settings:
+            table.add_row(c.key, _cell(c.a), _cell(c.b))
+        out.append(table)
+    if d.stacks or d.only_in_a or d.only_in_b:
+        table = Table(title="stacks")
+        for col in ("stack", "key", a, b):
+            table.add_column(col)
+        for name in d.only_in_a:
+            table.add_row(name, "", "present", "(absent)")
+        for name in d.only_in_b:
+            table.add_row(name, "", "(absent)", "present")
+        for name, changes in d.stacks.items():
+            for c in changes:
+                table.add_row(name, c.key, _cell(c.a), _cell(c.b))
+        out.append(table)
+    if d.metrics:
+        table = Table(title=f"metrics that moved more than {d.threshold:.1%}")
+        for col in ("stack", "metric", a, b, "b / a"):
+            table.add_column(col, justify="left" if col in ("stack", "metric") else "right")
+        for m in d.metrics:
+            ratio = "" if m.ratio is None else f"{m.ratio:.4g}x"
+            table.add_row(m.stack, m.metric, f"{m.a:.6g}", f"{m.b:.6g}", ratio)
+        out.append(table)
+    out.append(
+        f"{len(d.settings)} settings, {len(d.stacks) + len(d.only_in_a) + len(d.only_in_b)} "
+        f"stacks and {len(d.metrics)} metrics differ; {d.unchanged_metrics} shared metrics "
+        f"are within {d.threshold:.1%}"
+    )
+    return out
