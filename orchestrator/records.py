@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,20 @@ SCHEMA_VERSION = 1
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}, for MLflow params and run diffs. Lists stay whole
+    (a prompt list is one setting) and an empty dict is a leaf, so a technique without
+    parameters still shows."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
 
 
 class Record(BaseModel):

@@ -19,7 +19,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from orchestrator.records import ResultRecord, StackResult
+from orchestrator.records import ResultRecord, StackResult, flatten
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB = "mlflow.db"
@@ -120,8 +120,8 @@ def shared_params(result: ResultRecord) -> dict[str, str]:
         "workload.seeds": workload.seeds,
         "workload.voice": workload.voice,
         "workload.warmups": workload.warmups,
-        **_flatten("workload.sampling", workload.sampling.model_dump()),
-        **_flatten("workload.length_policy", workload.length_policy.model_dump()),
+        **flatten(workload.sampling.model_dump(), "workload.sampling"),
+        **flatten(workload.length_policy.model_dump(), "workload.length_policy"),
         "protocol.hash": result.job.protocol.content_hash(),
         "strict": result.job.strict,
     }
@@ -136,7 +136,7 @@ def technique_params(sr: StackResult) -> dict[str, str]:
     }
     for i, tech in enumerate(sr.stack.techniques):
         params[f"technique.{i}.name"] = tech.name
-        params.update(_flatten(f"technique.{tech.name}", tech.params))
+        params.update(flatten(tech.params, f"technique.{tech.name}"))
     return {k: _param_value(v) for k, v in params.items()}
 
 
@@ -232,16 +232,6 @@ def _log_batch(
 
 def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
     return (items[i : i + size] for i in range(0, len(items), size))
-
-
-def _flatten(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(f"{prefix}.{key}", value))
-        else:
-            out[f"{prefix}.{key}"] = value
-    return out
 
 
 def _param_value(value: Any) -> str:

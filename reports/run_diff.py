@@ -21,7 +21,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Per-run identifiers and bookkeeping: always different, never informative.
+from orchestrator.records import flatten
+
+# Per-run bookkeeping (always different, never informative) and the stacks (diffed one by one).
 IGNORED_JOB_KEYS = {"job_id", "output_dir", "stacks"}
 ABSENT = "(absent)"
 
@@ -62,17 +64,6 @@ class RunDiff:
         for m, row in zip(self.metrics, out["metrics"], strict=True):
             row["ratio"] = m.ratio
         return out
-
-
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> {"a.b.c": leaf}; lists stay whole (a prompt list is one setting), and
-    an empty dict is a leaf, so a technique without parameters still shows when added."""
-    if not isinstance(value, dict) or (not value and prefix):
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for key, sub in value.items():
-        out.update(flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
-    return out
 
 
 def differs(a: Any, b: Any, threshold: float) -> bool:
