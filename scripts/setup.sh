@@ -15,10 +15,10 @@ fi
 # The CUDA build of torch 2.11 and its libraries take about 6.5 GB in .venv: say so up front
 # rather than fail half-way through pip with "No space left on device".
 if [ ! -x .venv/bin/torchrun ]; then
-    free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+    read -r free_kb mount < <(df -Pk . | awk 'NR == 2 {print $4, $6}')
     if [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
         echo "error: setup needs about 8 GB free for .venv (torch 2.11 with its CUDA libraries);" \
-             "$(df -Ph . | awk 'NR == 2 {print $4}') free on $(df -P . | awk 'NR == 2 {print $6}')" >&2
+             "$((free_kb / 1024)) MB free on $mount" >&2
         exit 1
     fi
 fi
