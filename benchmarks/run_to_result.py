@@ -16,37 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.records import ResultRecord, StackResult
+from orchestrator.records import ResultRecord
 from orchestrator.runner import comparisons
+from orchestrator.store_rows import result_record
 
 
 def rebuild(run: dict) -> ResultRecord:
-    results = [
-        StackResult(
-            stack=s["spec"],
-            status=s["status"],
-            applied=s["applied"],
-            skipped=s["skipped"],
-            exact=s["exact"],
-            error=s["error"],
-            setup_s=s["setup_s"],
-            warmup_s=s["warmup_s"],
-            peak_memory_bytes=s["peak_memory_bytes"],
-            utterances=s["utterances"],
-            fidelity=s["fidelity"],
-            metrics=s["metrics"],
-        )
-        for s in sorted(run["stacks"], key=lambda s: s["position"])
-    ]
-    record = ResultRecord(
-        job=run["job"],
-        status=run["status"].lower(),
-        started_at=run["started_at"],
-        finished_at=run["ended_at"],
-        environment=run["environment"],
-        results=results,
-        error=run["error"],
-    )
+    record = result_record(run)
     added = {k for keys in comparisons(record).values() for k in keys}
     for r in record.results:
         r.metrics = {k: v for k, v in r.metrics.items() if k not in added}

@@ -30,21 +30,19 @@ from db.models import (
     columns,
 )
 from orchestrator.records import (
-    EnvironmentInfo,
     JobSpec,
     ResultRecord,
     utcnow,
 )
 from orchestrator.store_rows import (
-    RESULT_STATUS,
     Comparisons,
     classify_failure,
     failure_row,
     maybe_json,
     model_label,
+    result_record,
     run_fields,
     stack_fields,
-    stack_result,
     write_result,
 )
 
@@ -326,16 +324,7 @@ class Store:
         run = self.get_run(run_id_or_prefix)
         if run["environment"] is None:
             raise StoreError(f"run {run['id']} has no recorded result ({run['status']})")
-        status = {v: k for k, v in RESULT_STATUS.items()}[run["status"]]
-        return ResultRecord(
-            job=JobSpec.model_validate(run["job"]),
-            status=status,
-            started_at=run["started_at"],
-            finished_at=run["ended_at"],
-            environment=EnvironmentInfo.model_validate(run["environment"]),
-            results=[stack_result(st) for st in run["stacks"]],
-            error=run["error"],
-        )
+        return result_record(run)
 
     def find_run_by_identity(self, identity: str) -> dict[str, Any] | None:
         """The latest FINISHED run that measured `identity`, or None."""

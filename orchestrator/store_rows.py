@@ -17,7 +17,9 @@ from sqlalchemy.orm import Session
 from db.models import Failure, Metric, Run, Stack, StackResultRow, Utterance, columns
 from orchestrator.config import StackSpec
 from orchestrator.records import (
+    EnvironmentInfo,
     FidelityRecord,
+    JobSpec,
     ResultRecord,
     StackResult,
     UtteranceRecord,
@@ -175,6 +177,19 @@ def stack_result(st: dict[str, Any]) -> StackResult:
         utterances=[UtteranceRecord.model_validate(u) for u in st["utterances"]],
         fidelity=None if st["fidelity"] is None else FidelityRecord.model_validate(st["fidelity"]),
         metrics=st["metrics"],
+    )
+
+
+def result_record(run: dict[str, Any]) -> ResultRecord:
+    """The worker's ResultRecord again, from a `Store.get_run` row (or its JSON)."""
+    return ResultRecord(
+        job=JobSpec.model_validate(run["job"]),
+        status={v: k for k, v in RESULT_STATUS.items()}[run["status"]],
+        started_at=run["started_at"],
+        finished_at=run["ended_at"],
+        environment=EnvironmentInfo.model_validate(run["environment"]),
+        results=[stack_result(st) for st in run["stacks"]],
+        error=run["error"],
     )
 
 
