@@ -555,11 +555,12 @@ def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
 
 
 def test_fused_rope_norm_refuses_unsupported() -> None:
-    from techniques.rumik.fused_rope_norm import UnsupportedConfigError, check_supported
+    from orchestrator.technique import UnsupportedConfig
+    from techniques.rumik.fused_rope_norm import check_supported
 
-    with pytest.raises(UnsupportedConfigError, match="head_dim must be an even power of two"):
+    with pytest.raises(UnsupportedConfig, match="head_dim must be an even power of two"):
         check_supported(1024, 8, 2, 96)
-    with pytest.raises(UnsupportedConfigError, match="at most 64"):
+    with pytest.raises(UnsupportedConfig, match="at most 64"):
         check_supported(1024, 80, 2, 128)
     from orchestrator.config import StackSpec, TechniqueRef
     from orchestrator.registry import StackError, build_stack

@@ -34,21 +34,18 @@ MAX_HEADS = 64
 MAX_HEAD_DIM = 256
 
 
-UnsupportedConfigError = UnsupportedConfig  # the model or input is outside the fused kernels
-
-
 def check_supported(hidden: int, hq: int, hkv: int, head_dim: int) -> None:
     if head_dim % 2 or head_dim & (head_dim - 1) or head_dim > MAX_HEAD_DIM:
-        raise UnsupportedConfigError(
+        raise UnsupportedConfig(
             f"fused_rope_norm: head_dim must be an even power of two <= {MAX_HEAD_DIM}; "
             f"this model has {head_dim}"
         )
     if hq > MAX_HEADS or hkv > MAX_HEADS:
-        raise UnsupportedConfigError(
+        raise UnsupportedConfig(
             f"fused_rope_norm: at most {MAX_HEADS} query/KV heads; this model has {hq}/{hkv}"
         )
     if hidden > MAX_NORM_WIDTH:
-        raise UnsupportedConfigError(
+        raise UnsupportedConfig(
             f"fused_rope_norm: hidden size must be <= {MAX_NORM_WIDTH}; this model has {hidden}"
         )
 
@@ -58,7 +55,7 @@ class FusedRopeNormDecoder(StaticDecoder):
 
     def __init__(self, engine: Engine, max_seq_len: int, compile_mode: str | None):
         if compile_mode:
-            raise UnsupportedConfigError(
+            raise UnsupportedConfig(
                 "fused_rope_norm: static_kv_cache.compile must be false (Triton launches are "
                 "not traced by torch.compile here)"
             )
@@ -74,7 +71,7 @@ class FusedRopeNormDecoder(StaticDecoder):
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if ids.shape[0] != 1:
-            raise UnsupportedConfigError(f"fused_rope_norm: batch must be 1, got {ids.shape[0]}")
+            raise UnsupportedConfig(f"fused_rope_norm: batch must be 1, got {ids.shape[0]}")
         if ids.shape[1] != 1:  # prefill: the unfused path over the whole prompt
             return super()._forward(ids, positions)
         from techniques.rumik.kernels import rope_norm as rn
