@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING || true
-python3 -c "import orchestrator.registry as r; print('techniques:', sorted(r.discover()))"
+python3 -c "import orchestrate.api.registry as r; print('techniques:', sorted(r.discover()))"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv,noheader
 # FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache

@@ -6,11 +6,11 @@
 # come back. Needs `source benchmarks/device_setup.sh` first.
 name=$1; shift
 db=sqlite:////tmp/orchestrate-$name.db
-python3 -m orchestrator.cli run "$@" --no-mlflow --db "$db" --runs-dir "$OUT/$name" \
+python3 -m orchestrate.cli run "$@" --no-mlflow --db "$db" --runs-dir "$OUT/$name" \
     --json > "$OUT/$name.json"
 rc=$?
 id=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['id'])" "$OUT/$name.json" 2>/dev/null)
-[ -n "$id" ] && python3 -m orchestrator.cli show "$id" --db "$db"
+[ -n "$id" ] && python3 -m orchestrate.cli show "$id" --db "$db"
 tail -3 "$OUT/$name"/*/worker.log 2>/dev/null
 # A device call returns a limited number of files: with many stacks the per-utterance WAVs
 # crowded out result.json once (session 3), so the evidence is copied up to $OUT and the

@@ -24,18 +24,18 @@ from typing import Any
 
 import torch
 
-from orchestrator.config import load_model_spec, load_stack, load_workload
-from orchestrator.environment import capture, sync
-from orchestrator.families import get_family
-from orchestrator.registry import build_stack
-from orchestrator.technique import DeviceCaps
+from orchestrate.api.config import load_model_spec, load_stack, load_workload
+from orchestrate.api.device import sync
+from orchestrate.api.registry import build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.running.environment import capture
 
 
 def traced_call(family: Any, engine: Any, workload: Any, frames: int) -> tuple[Callable, str]:
     """The call to trace, returning how many steps it ran, and the step's name."""
     text = workload.prompts[0].text
     if family.name == "rumik":
-        from orchestrator.families.rumik.vocab import build_prompt
+        from orchestrate.families.rumik.vocab import build_prompt
 
         model = engine.model
         prompt = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))

@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.records import ResultRecord
-from orchestrator.runner import comparisons
-from orchestrator.store_rows import result_record
+from orchestrate.api.records import ResultRecord
+from orchestrate.running.runner import comparisons
+from orchestrate.store.rows import result_record
 
 
 def rebuild(run: dict) -> ResultRecord:

@@ -16,17 +16,18 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.config import ModelSpec, Protocol
-from orchestrator.holdout import list_audits
-from orchestrator.records import utcnow
-from orchestrator.scoring_run import StackQuality, load_rows, stack_quality
-from reports.frontier import Frontier, collect
-from reports.ladder import Rung, finished_runs, ladder, throughput
+from orchestrate.api.config import ModelSpec
+from orchestrate.api.protocol import Protocol
+from orchestrate.api.records import utcnow
+from orchestrate.reports.frontier import Frontier, collect
+from orchestrate.reports.ladder import Rung, finished_runs, ladder, throughput
+from orchestrate.research.holdout import list_audits
+from orchestrate.research.scoring_run import StackQuality, load_rows, stack_quality
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from orchestrator.store import Store
+    from orchestrate.store.store import Store
 
 SCREEN_METRICS = ("wer", "cer", "mos", "sim")
 PHASE_MARKERS = {"dev": "o", "remeasure": "s", "holdout": "D"}

@@ -19,21 +19,21 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from orchestrator.config import ModelSpec, Protocol
-from orchestrator.decide import (
+from orchestrate.api.config import ModelSpec
+from orchestrate.api.protocol import Protocol, ProtocolError, split_phase
+from orchestrate.research.decide import (
     check_coverage,
     check_gates,
     hardware_key,
     list_decisions,
     model_key,
 )
-from orchestrator.holdout import list_audits
-from orchestrator.noise import AA_SUFFIX
-from orchestrator.protocol import ProtocolError, split_phase
-from orchestrator.scoring_run import load_rows, stack_quality
+from orchestrate.research.holdout import list_audits
+from orchestrate.research.noise import AA_SUFFIX
+from orchestrate.research.scoring_run import load_rows, stack_quality
 
 if TYPE_CHECKING:
-    from orchestrator.store import Store
+    from orchestrate.store.store import Store
 
 Status = Literal["pass", "alert", "unverified"]
 

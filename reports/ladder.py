@@ -14,13 +14,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator.decide import hardware_key
-from orchestrator.protocol import split_phase
-from orchestrator.records import ResultRecord, StackResult
-from orchestrator.runner import comparisons
+from orchestrate.api.protocol import split_phase
+from orchestrate.api.records import ResultRecord, StackResult
+from orchestrate.research.decide import hardware_key
+from orchestrate.running.runner import comparisons
 
 if TYPE_CHECKING:
-    from orchestrator.store import Store
+    from orchestrate.store.store import Store
 
 
 @dataclass

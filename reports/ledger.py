@@ -12,12 +12,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.decide import list_champions, list_decisions
-from orchestrator.protocol import split_phase
-from orchestrator.records import utcnow
+from orchestrate.api.protocol import split_phase
+from orchestrate.api.records import utcnow
+from orchestrate.research.decide import list_champions, list_decisions
 
 if TYPE_CHECKING:
-    from orchestrator.store import Store
+    from orchestrate.store.store import Store
 
 DETAIL_CHARS = 400
 

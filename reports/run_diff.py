@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.records import flatten
+from orchestrate.api.records import flatten
 
 # Per-run bookkeeping (always different, never informative) and the stacks (diffed one by one).
 IGNORED_JOB_KEYS = {"job_id", "output_dir", "stacks"}

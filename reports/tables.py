@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from reports.run_diff import RunDiff
+    from orchestrate.reports.run_diff import RunDiff
 
 COLUMNS = [
     ("median_latency_s", "median s", "{:.3f}"),

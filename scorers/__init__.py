@@ -1,4 +1,4 @@
-"""Scorer plugins for `orchestrator.scoring`, registered under the entry-point group
+"""Scorer plugins for `orchestrate.api.scoring`, registered under the entry-point group
 `orchestrate.scorers` in pyproject.toml.
 
 | name             | kind      | grade     | weights come from                                  |

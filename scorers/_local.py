@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.scoring import ScorerUnavailable
+from orchestrate.api.scoring import ScorerUnavailable
 
 
 def local_snapshot(repo_id: str, env_var: str, revision: str | None = None) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from orchestrator.scoring import Kind, Scorer, ScorerUnavailable
+from orchestrate.api.scoring import Kind, Scorer, ScorerUnavailable
 
 
 class DistillMos(Scorer):

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import Kind, Scorer
+from orchestrate.api.scoring import Kind, Scorer
 
 
 class DnsMos(Scorer):

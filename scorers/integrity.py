@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import Kind, Scorer
+from orchestrate.api.scoring import Kind, Scorer
 
 CLIP_LEVEL = 0.999  # |x| at or above this counts as clipped (float full scale is 1.0)
 SILENCE_DBFS = -60.0  # whole-clip RMS below this is "silent"

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import CoverageFailure, ScorerUnavailable, SimScorer
+from orchestrate.api.scoring import CoverageFailure, ScorerUnavailable, SimScorer
 
 
 class Resemblyzer(SimScorer):

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from orchestrator.scoring import Kind, Scorer, ScorerUnavailable
+from orchestrate.api.scoring import Kind, Scorer, ScorerUnavailable
 
 CONFIG = "fusion_stage3"
 ENV_VAR = "ORCHESTRATE_UTMOSV2_DIR"

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import SimScorer
-from scorers._local import hf_weight_files, local_snapshot
+from orchestrate.api.scoring import SimScorer
+from orchestrate.scorers._local import hf_weight_files, local_snapshot
 
 REPO_ID = "microsoft/wavlm-base-plus-sv"
 ENV_VAR = "ORCHESTRATE_WAVLM_SV"

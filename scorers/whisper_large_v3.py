@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import AsrScorer
-from scorers._local import hf_weight_files, local_snapshot
+from orchestrate.api.scoring import AsrScorer
+from orchestrate.scorers._local import hf_weight_files, local_snapshot
 
 REPO_ID = "openai/whisper-large-v3"
 ENV_VAR = "ORCHESTRATE_WHISPER_LARGE_V3"

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from orchestrator.scoring import AsrScorer
+from orchestrate.api.scoring import AsrScorer
 
 
 class WhisperTinyEn(AsrScorer):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
-from orchestrator.records import (
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.records import (
     EnvironmentInfo,
     FidelityRecord,
     JobSpec,
@@ -171,7 +171,7 @@ def make_result_record() -> MakeResult:
 @pytest.fixture(scope="session")
 def tiny_model():
     """The tiny preset (real architecture, random weights), built once per test session."""
-    from orchestrator.families.rumik.model import build_model
+    from orchestrate.families.rumik.model import build_model
 
     return build_model(ModelSpec(preset="tiny"))
 

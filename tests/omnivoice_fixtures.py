@@ -8,10 +8,9 @@ import os
 
 import pytest
 
-from orchestrator.config import ModelSpec, StackSpec, TechniqueRef
-from orchestrator.families import get_family
-from orchestrator.registry import build_stack
-from orchestrator.technique import DeviceCaps
+from orchestrate.api.config import ModelSpec, StackSpec, TechniqueRef
+from orchestrate.api.registry import build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
 
 
 @pytest.fixture(scope="session", autouse=True)

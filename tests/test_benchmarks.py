@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.metrics import compare, summarize
-from orchestrator.records import ResultRecord
+from orchestrate.api.records import ResultRecord
+from orchestrate.running.metrics import compare, summarize
 
 RESULTS = sorted((Path(__file__).parent.parent / "benchmarks").glob("**/*.result.json"))
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import (
+from orchestrate.api.config import (
     ConfigError,
     LengthPolicy,
     load_model_spec,

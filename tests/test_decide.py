@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import decide
-from orchestrator.config import ModelSpec, Prompt, Protocol, StackSpec, TechniqueRef, Workload
-from orchestrator.protocol import Gate, ProtocolError, QualitySpec, SpeedRule
-from orchestrator.records import (
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.protocol import Gate, Protocol, ProtocolError, QualitySpec, SpeedRule
+from orchestrate.api.records import (
     EnvironmentInfo,
     JobSpec,
     ResultRecord,
     StackResult,
     UtteranceRecord,
 )
-from orchestrator.runner import comparisons
-from orchestrator.scoring_run import StackQuality
-from orchestrator.store import Store
+from orchestrate.research import decide
+from orchestrate.research.scoring_run import StackQuality
+from orchestrate.running.runner import comparisons
+from orchestrate.store.store import Store
 
 STOCK = StackSpec(name="stock")
 FAST = StackSpec(name="fast", techniques=[TechniqueRef(name="static_kv_cache")])
@@ -47,7 +47,7 @@ def utterances(
 
 
 def stack_result(spec: StackSpec, scale: float, **kw: object) -> StackResult:
-    from orchestrator.metrics import summarize
+    from orchestrate.running.metrics import summarize
 
     utts = utterances(scale, **kw)  # type: ignore[arg-type]
     return StackResult(stack=spec, status="ok", utterances=utts, metrics=summarize(utts))
@@ -242,7 +242,7 @@ SPEC_S = SpeedRule(min_speedup=1.05, resamples=300)
 
 
 def test_champion_alias_in_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator import tracking
+    from orchestrate.store import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import Store
+from orchestrate.store.store import Store
 
 WORKLOAD = """\
 name: e2e
@@ -40,7 +40,7 @@ def env(tmp_path):
 
 def cli(args: list[str], env: dict, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "orchestrate.cli", *args],
         env=env,
         cwd=cwd,
         capture_output=True,
@@ -159,7 +159,7 @@ def _start_slow_run(env: dict, tmp_path: Path) -> tuple[subprocess.Popen, int]:
     (tmp_path / "slow.yaml").write_text(slow)
     args = ["run", "--stack", "cpu-fast", "--workload", str(tmp_path / "slow.yaml"), "--no-mlflow"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "orchestrate.cli", *args],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -207,8 +207,9 @@ def test_orchestrator_terminated_marks_run_interrupted(env, tmp_path):
 
 def test_worker_result_ingested(env, tmp_path):
     """The offline-GPU-host path: plan here, `orchestrate worker` there, `ingest` here."""
-    from orchestrator.config import load_model_spec, load_protocol, load_stack, load_workload
-    from orchestrator.plan import plan_job
+    from orchestrate.api.config import load_model_spec, load_stack, load_workload
+    from orchestrate.api.protocol import load_protocol
+    from orchestrate.running.plan import plan_job
 
     job = plan_job(
         load_model_spec("tiny"),
@@ -237,8 +238,8 @@ def test_worker_result_ingested(env, tmp_path):
 PLUGIN = '''
 """A third-party technique: stock's sampler, with the -inf mask built once, not per step."""
 import torch
-from orchestrator.families.rumik.engine import stock_sampler
-from orchestrator.technique import Technique
+from orchestrate.families.rumik.engine import stock_sampler
+from orchestrate.api.technique import Technique
 
 
 class CachedMaskSampler(Technique):

@@ -19,12 +19,12 @@ pytest.importorskip("omnivoice", exc_type=ImportError)
 
 from omnivoice_fixtures import engine_for
 
-from orchestrator.config import ModelSpec, StackSpec
-from orchestrator.families.omnivoice.engine import build_cfg_batch, slot_loop, stock_engine
-from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps, Refused
-from techniques.omnivoice import flashinfer_cfg
-from techniques.omnivoice.flashinfer_cfg import packed_forward
+from orchestrate.api.config import ModelSpec, StackSpec
+from orchestrate.api.registry import StackError, build_stack
+from orchestrate.api.technique import DeviceCaps, Refused
+from orchestrate.families.omnivoice.engine import build_cfg_batch, slot_loop, stock_engine
+from orchestrate.techniques.omnivoice import flashinfer_cfg
+from orchestrate.techniques.omnivoice.flashinfer_cfg import packed_forward
 
 TEXTS = ["The morning train was late again.", "Short, then a much longer sentence follows."]
 # fp32 on the tiny model: packing changes only the SDPA call's length (no padded keys), so
@@ -160,7 +160,7 @@ def test_filled_after_torch_compile_is_refused():
 
 def test_cpu_compile_of_the_packed_forward_is_exact(model):
     """Under torch.compile the layout lookup is a graph break (host bookkeeping)."""
-    from techniques.omnivoice.torch_compile import compile_forward
+    from orchestrate.techniques.omnivoice.torch_compile import compile_forward
 
     ov, eng = model.ov, stock_engine(model, reimplemented=True)
     batch = build_cfg_batch(eng, ov._preprocess_all(text=[TEXTS[0]]), eng.config())
@@ -180,7 +180,7 @@ def medium_ov(layers: int = 4, device: str = "cuda"):
     from omnivoice import OmniVoice, OmniVoiceConfig
     from transformers import Qwen3Config
 
-    from orchestrator.families.omnivoice.presets import OMNIVOICE
+    from orchestrate.families.omnivoice.presets import OMNIVOICE
 
     torch.manual_seed(0)
     llm = Qwen3Config(**{**OMNIVOICE.llm, "num_hidden_layers": layers})
@@ -241,7 +241,7 @@ def test_flashinfer_stack_builds_on_cuda(family):
     """The stack is accepted on the GPU with FlashInfer installed; on the tiny preset
     (head_dim 16) FlashInfer's kernels do not apply and that is said."""
     pytest.importorskip("flashinfer")
-    from orchestrator.technique import UnsupportedConfig
+    from orchestrate.api.technique import UnsupportedConfig
 
     model = family.build_model(ModelSpec(family="omnivoice", preset="tiny", device="cuda"))
     with pytest.raises(UnsupportedConfig, match="head_dim"):

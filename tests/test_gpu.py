@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import ModelSpec, SamplingConfig, StackSpec, TechniqueRef
-from orchestrator.families.rumik import FAMILY, fidelity
-from orchestrator.families.rumik.engine import stock_engine
-from orchestrator.families.rumik.vocab import build_prompt
-from orchestrator.registry import build_stack
-from orchestrator.technique import DeviceCaps
+from orchestrate.api.config import ModelSpec, SamplingConfig, StackSpec, TechniqueRef
+from orchestrate.api.registry import build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.rumik import fidelity
+from orchestrate.families.rumik.engine import stock_engine
+from orchestrate.families.rumik.vocab import build_prompt
+
+FAMILY = get_family("rumik")
 
 pytestmark = pytest.mark.gpu
 
@@ -189,7 +191,7 @@ def test_while_graph_generates_graph_loops_tokens(case128):
 
 
 def test_while_graph_is_one_launch_per_utterance(case128):
-    from orchestrator.config import Prompt, Workload
+    from orchestrate.api.config import Prompt, Workload
 
     model, _, _ = case128
     wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])
@@ -236,7 +238,7 @@ def test_fused_rope_norm_composes_with_int8_and_graph_loop(case128):
 
 def test_int6_kernel_real_shapes_graph_and_pdl():
     """The INT6 GEMV at the real packed shapes, default and split-K configs, PDL, in a graph."""
-    from techniques.rumik.kernels import int6_gemv as g6
+    from orchestrate.techniques.rumik.kernels import int6_gemv as g6
 
     torch.manual_seed(0)
     for n, k in ((25088, 2048), (2048, 13056)):
@@ -319,7 +321,7 @@ def test_pdl_technique_full_stack_matches_without_pdl(case128):
 
 
 def test_graph_kernel_nodes_and_profiler_agree():
-    from orchestrator.launches import count_launches, graph_kernel_nodes
+    from orchestrate.api.device import count_launches, graph_kernel_nodes
 
     x = torch.randn(1024, device="cuda")
     torch.cuda.synchronize()
@@ -337,7 +339,7 @@ def test_graph_kernel_nodes_and_profiler_agree():
 def test_launches_per_step(case128):
     """Eager stock issues one host launch per kernel; graphs replace them with one launch;
     fused_rope_norm cuts kernels per step; graph_loop leaves one launch per token."""
-    from orchestrator.config import Prompt, Workload
+    from orchestrate.api.config import Prompt, Workload
 
     model, _, _ = case128
     wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])

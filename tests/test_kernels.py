@@ -27,7 +27,7 @@ import torch
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-_KERNELS = "techniques.rumik.kernels."
+_KERNELS = "orchestrate.techniques.rumik.kernels."
 _ENV_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton decides interpreter-or-compiler when a function is decorated, its own library
 # functions included, so without CUDA the interpreter must be on before triton's first import.
@@ -500,9 +500,12 @@ def test_rope_position_outside_cache_writes_nothing_and_in_place_q() -> None:
 
 
 def _teacher_forced(model, names, prompt, tokens, **params):
-    from orchestrator.config import StackSpec, TechniqueRef
-    from orchestrator.families.rumik import FAMILY, fidelity
-    from orchestrator.registry import build_stack
+    from orchestrate.api.config import StackSpec, TechniqueRef
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik import fidelity
+
+    FAMILY = get_family("rumik")
+    from orchestrate.api.registry import build_stack
 
     spec = StackSpec(
         name="t", techniques=[TechniqueRef(name=n, params=params.get(n, {})) for n in names]
@@ -513,10 +516,13 @@ def _teacher_forced(model, names, prompt, tokens, **params):
 @pytest.fixture(scope="module")
 def fused_case():
     """The tiny model (fp32), a prompt and 72 stock tokens: the cache crosses the window."""
-    from orchestrator.config import ModelSpec, SamplingConfig
-    from orchestrator.families.rumik import FAMILY, fidelity
-    from orchestrator.families.rumik.engine import stock_engine
-    from orchestrator.families.rumik.vocab import build_prompt
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik import fidelity
+
+    FAMILY = get_family("rumik")
+    from orchestrate.families.rumik.engine import stock_engine
+    from orchestrate.families.rumik.vocab import build_prompt
 
     model = FAMILY.build_model(ModelSpec(preset="tiny", device=DEVICE.type))
     prompt = model.encode_prompt(build_prompt("A short test sentence.", "Ira", "neutral"))
@@ -535,7 +541,7 @@ def fused_case():
     ids="+".join,
 )  # fmt: skip
 def test_fused_rope_norm_matches_stock(fused_case, names) -> None:
-    from orchestrator.families.rumik import fidelity
+    from orchestrate.families.rumik import fidelity
 
     model, prompt, tokens, ref = fused_case
     other = _teacher_forced(model, names, prompt, tokens)
@@ -555,15 +561,15 @@ def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
 
 
 def test_fused_rope_norm_refuses_unsupported() -> None:
-    from orchestrator.technique import UnsupportedConfig
-    from techniques.rumik.fused_rope_norm import check_supported
+    from orchestrate.api.technique import UnsupportedConfig
+    from orchestrate.techniques.rumik.fused_rope_norm import check_supported
 
     with pytest.raises(UnsupportedConfig, match="head_dim must be an even power of two"):
         check_supported(1024, 8, 2, 96)
     with pytest.raises(UnsupportedConfig, match="at most 64"):
         check_supported(1024, 80, 2, 128)
-    from orchestrator.config import StackSpec, TechniqueRef
-    from orchestrator.registry import StackError, build_stack
+    from orchestrate.api.config import StackSpec, TechniqueRef
+    from orchestrate.api.registry import StackError, build_stack
 
     spec = StackSpec(name="t", techniques=[
         TechniqueRef(name="static_kv_cache", params={"compile": True}),
@@ -574,8 +580,8 @@ def test_fused_rope_norm_refuses_unsupported() -> None:
 
 def test_int6_projections_approximate_and_composes(fused_case, monkeypatch) -> None:
     """int6 moves the logits (more than int8 would), and fused glue on top changes nothing."""
-    from orchestrator.families.rumik import fidelity
-    from orchestrator.registry import StackError, build_stack
+    from orchestrate.api.registry import StackError, build_stack
+    from orchestrate.families.rumik import fidelity
 
     model, prompt, tokens, ref = fused_case
     monkeypatch.setattr(g6, "default_config", lambda n, k: g6.Int6Config(128, 32))
@@ -590,7 +596,7 @@ def test_int6_projections_approximate_and_composes(fused_case, monkeypatch) -> N
     fused = _teacher_forced(model, ["static_kv_cache", "int6_projections", "fused_rope_norm"],
                             prompt, tokens[:n])  # fmt: skip
     assert rel_err(fused, six) < 1e-5
-    from orchestrator.config import StackSpec, TechniqueRef
+    from orchestrate.api.config import StackSpec, TechniqueRef
 
     both = StackSpec(name="t", techniques=[TechniqueRef(name=t) for t in
                      ("static_kv_cache", "int8_projections", "int6_projections")])  # fmt: skip

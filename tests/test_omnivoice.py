@@ -17,22 +17,15 @@ pytest.importorskip("omnivoice", exc_type=ImportError)
 
 from omnivoice_fixtures import engine_for
 
-from orchestrator.config import (
-    ModelSpec,
-    OperatingPoint,
-    Prompt,
-    StackSpec,
-    Workload,
-)
-from orchestrator.families import get_family
-from orchestrator.families.omnivoice.engine import (
+from orchestrate.api.config import ModelSpec, OperatingPoint, Prompt, StackSpec, Workload
+from orchestrate.api.registry import StackError, build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.omnivoice.engine import (
     KnobError,
     generation_config,
     slot_loop,
     stock_engine,
 )
-from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps
 
 TEXT = "The morning train was late again."
 REF_TEXT = "The weather was calm, so we took the small boat out across the bay."
@@ -99,7 +92,7 @@ def test_real_shape_preset_counts_match_the_checkpoint():
     from omnivoice import OmniVoice, OmniVoiceConfig
     from transformers import HiggsAudioV2TokenizerConfig, Qwen3Config
 
-    from orchestrator.families.omnivoice.presets import OMNIVOICE
+    from orchestrate.families.omnivoice.presets import OMNIVOICE
 
     with torch.device("meta"):
         ov = OmniVoice(OmniVoiceConfig(llm_config=Qwen3Config(**OMNIVOICE.llm)))
@@ -175,7 +168,7 @@ def test_unknown_knob_and_bad_step_count_are_errors():
 
 
 def test_clone_without_ref_text_is_a_clear_error(family, model):
-    from orchestrator.families.omnivoice.family import request_kwargs
+    from orchestrate.families.omnivoice.requests import request_kwargs
 
     with pytest.raises(ValueError, match="ref_text.*Whisper"):
         OperatingPoint(mode="clone", ref_audio="x.wav")
@@ -185,7 +178,7 @@ def test_clone_without_ref_text_is_a_clear_error(family, model):
 
 
 def test_flash_attention_2_is_refused_with_the_reason(family, model):
-    from orchestrator.technique import Refused
+    from orchestrate.api.technique import Refused
 
     with pytest.raises(Refused, match="does not support Flash Attention 2 yet"):
         engine_for(family, model, {"name": "flash_attention_2"})
@@ -228,7 +221,7 @@ def test_batch_rows_equal_stock_without_position_noise(family, model):
 
 
 def test_cpu_compile_of_forward_is_exact(model):
-    from techniques.omnivoice.torch_compile import compile_forward
+    from orchestrate.techniques.omnivoice.torch_compile import compile_forward
 
     eng = stock_engine(model, reimplemented=True)
     ref = codes(eng)[0]
@@ -268,7 +261,7 @@ def test_cfg_late_off_really_runs_fewer_rows(family, model):
 
 
 def test_each_synthesis_reports_its_forwards_and_their_floor(family, model):
-    from orchestrator.families.omnivoice.cost import forward_cost
+    from orchestrate.families.omnivoice.cost import forward_cost
 
     wl = workload()
     stock = family.synthesize(stock_engine(model), wl.prompts[0].text, 11, wl)
@@ -288,8 +281,8 @@ def test_real_shape_forward_cost_by_hand():
     from omnivoice import OmniVoice, OmniVoiceConfig
     from transformers import Qwen3Config
 
-    from orchestrator.families.omnivoice.cost import forward_cost
-    from orchestrator.families.omnivoice.presets import OMNIVOICE
+    from orchestrate.families.omnivoice.cost import forward_cost
+    from orchestrate.families.omnivoice.presets import OMNIVOICE
 
     with torch.device("meta"):
         ov = OmniVoice(OmniVoiceConfig(llm_config=Qwen3Config(**OMNIVOICE.llm))).bfloat16()
@@ -350,7 +343,7 @@ def test_cli_run_end_to_end(tmp_path):
         "PYTHONUNBUFFERED": "1",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "run", "--stack", "ov-b", "--model",
+        [sys.executable, "-m", "orchestrate.cli", "run", "--stack", "ov-b", "--model",
          "omnivoice-tiny", "--workload", str(wl), "--fidelity-steps", "4", "--no-mlflow",
          "--json"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -370,7 +363,7 @@ def test_compiled_forward_matches_eager_on_cuda():
     """torch_compile claims exactness up to summation order: its forward must match the
     package's eager forward on a real CFG batch. (Whole-loop codes are not compared: an
     argmax or Gumbel tie flipped by a last-bit difference changes every later step.)"""
-    from orchestrator.families.omnivoice.engine import build_cfg_batch
+    from orchestrate.families.omnivoice.engine import build_cfg_batch
 
     family = get_family("omnivoice")
     model = family.build_model(ModelSpec(family="omnivoice", preset="tiny", device="cuda"))
@@ -415,7 +408,7 @@ def test_batched_codec_equals_package_per_item(family, model):
 
 
 def test_compiled_codec_is_refused_on_cpu(family, model):
-    from orchestrator.technique import Refused
+    from orchestrate.api.technique import Refused
 
     with pytest.raises(Refused, match="CUDA"):
         engine_for(family, model, {"name": "codec_compile"})

@@ -13,14 +13,13 @@ import torch
 pytest.importorskip("omnivoice", exc_type=ImportError)
 
 
-from orchestrator.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload, load_stack
-from orchestrator.families import get_family
-from orchestrator.families.omnivoice.engine import Engine, slot_loop, stock_engine
-from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps
-from techniques.omnivoice.cuda_graph_loop import NOTES, graph_loop
-from techniques.omnivoice.torch_compile import compile_forward
-from techniques.omnivoice.use_cache_off import no_cache_forward
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload, load_stack
+from orchestrate.api.registry import StackError, build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.omnivoice.engine import Engine, slot_loop, stock_engine
+from orchestrate.techniques.omnivoice.cuda_graph_loop import NOTES, graph_loop
+from orchestrate.techniques.omnivoice.torch_compile import compile_forward
+from orchestrate.techniques.omnivoice.use_cache_off import no_cache_forward
 
 TEXT = "The morning train was late again."
 LONG = "She opened the letter slowly, unsure whether she wanted to know what it said."

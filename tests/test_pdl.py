@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import StackSpec, TechniqueRef
-from orchestrator.families.rumik import FAMILY
-from orchestrator.families.rumik.engine import stock_engine
-from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps
-from techniques.rumik.pdl import PDL
+from orchestrate.api.config import StackSpec, TechniqueRef
+from orchestrate.api.registry import StackError, build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.rumik.engine import stock_engine
+from orchestrate.techniques.rumik.pdl import PDL
+
+FAMILY = get_family("rumik")
 
 
 def stack(*names: str) -> StackSpec:
@@ -60,8 +61,8 @@ def test_pdl_with_nothing_to_switch_is_an_error(tiny_model):
 def test_launch_counts_are_gpu_only(tiny_model):
     import torch
 
-    from orchestrator.config import Workload
-    from orchestrator.launches import count_launches, per_step
+    from orchestrate.api.config import Workload
+    from orchestrate.api.device import count_launches, per_step
 
     cpu = torch.device("cpu")
     assert count_launches(lambda: None, cpu) is None
@@ -76,7 +77,7 @@ def test_kernels_hidden_in_a_conditional_graph_are_not_reported_as_zero(monkeypa
     per-step kernel count is left out rather than reported as 0; launches still count."""
     import torch
 
-    from orchestrator import launches
+    from orchestrate.api import device as launches
 
     counts = iter([{"kernels": 30, "launches": 5}, {"kernels": 30, "launches": 5}])
     monkeypatch.setattr(launches, "count_launches", lambda fn, device: (fn(), next(counts))[1])

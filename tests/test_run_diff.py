@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import TechniqueRef
-from orchestrator.records import ResultRecord
-from orchestrator.store import Store
-from reports.run_diff import ABSENT, diff_runs
+from orchestrate.api.config import TechniqueRef
+from orchestrate.api.records import ResultRecord
+from orchestrate.reports.run_diff import ABSENT, diff_runs
+from orchestrate.store.store import Store
 
 
 def changed_copy(result: ResultRecord) -> ResultRecord:
@@ -98,7 +98,7 @@ def test_diff_cli_table_json_and_bad_ids(two_runs, tmp_path: Path) -> None:
     url, a, b = two_runs
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "orchestrator.cli", "diff", *args, "--db", url]
+        cmd = [sys.executable, "-m", "orchestrate.cli", "diff", *args, "--db", url]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
     shown = cli(a[:8], b[:8])

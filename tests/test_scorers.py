@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from orchestrator.scoring import (
+from orchestrate.api.scoring import (
     CoverageFailure,
     ErrorCounts,
     Resample,
@@ -189,7 +189,7 @@ def test_resolve_strict_refuses_the_offline_fallback(no_reference_weights):
 
 @needs_sim
 def test_resolve_falls_back_to_offline_with_a_message(no_reference_weights, caplog):
-    with caplog.at_level(logging.WARNING, logger="orchestrator.scoring"):
+    with caplog.at_level(logging.WARNING, logger="orchestrate.api.scoring"):
         scorer = resolve("sim")
     assert scorer.name == "resemblyzer" and scorer.loaded and not scorer.reference
     message = caplog.text

@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import pytest
 
-from orchestrator import registry
-from orchestrator.config import StackSpec, TechniqueRef
-from orchestrator.registry import StackError, build_stack
-from orchestrator.technique import DeviceCaps, Technique
+from orchestrate.api import registry
+from orchestrate.api.config import StackSpec, TechniqueRef
+from orchestrate.api.registry import StackError, build_stack
+from orchestrate.api.technique import DeviceCaps, Technique
 
 
 def stack(*names: str, **params: dict) -> StackSpec:
@@ -130,15 +130,16 @@ class _RefusesAtApply(_NeedsHopper):
     requires: ClassVar = ()
 
     def apply(self, engine):
-        from orchestrator.technique import Refused
+        from orchestrate.api.technique import Refused
 
         raise Refused("this checkpoint's head is tied; refuses_at_apply needs it untied")
 
 
 def test_a_technique_refusing_at_apply_is_recorded_refused_not_crashed(monkeypatch, tmp_path):
-    from orchestrator.config import Workload, load_model_spec, load_protocol, load_workload
-    from orchestrator.plan import plan_job
-    from orchestrator.worker import run_job
+    from orchestrate.api.config import Workload, load_model_spec, load_workload
+    from orchestrate.api.protocol import load_protocol
+    from orchestrate.running.plan import plan_job
+    from orchestrate.running.worker import run_job
 
     known = dict(registry.discover()) | {"refuses_at_apply": _RefusesAtApply}
     monkeypatch.setattr(registry, "discover", lambda: known)

@@ -18,18 +18,18 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import event, inspect, update
 
-import db
-from db.models import Base, Metric, Run
-from orchestrator.records import ResultRecord, utcnow
-from orchestrator.store import (
+from orchestrate import db
+from orchestrate.api.records import ResultRecord, utcnow
+from orchestrate.api.registry import job_identity as identity_of
+from orchestrate.db.models import Base, Metric, Run
+from orchestrate.store.rows import classify_failure
+from orchestrate.store.store import (
     AmbiguousRun,
     DuplicateRun,
     RunNotFound,
     Store,
     StoreError,
-    identity_of,
 )
-from orchestrator.store_rows import classify_failure
 
 MakeResult = Callable[..., ResultRecord]
 COMPARISONS = {"fast": {"speedup_vs_baseline": 2.0000001, "rtf_ratio": 0.5}}
@@ -115,7 +115,7 @@ def test_in_memory_database_works(make_result_record: MakeResult) -> None:
 
 def test_worker_side_does_not_import_storage() -> None:
     code = (
-        "import sys, orchestrator.records, orchestrator.config;"
+        "import sys, orchestrate.api.records, orchestrate.api.config;"
         "bad = [m for m in ('sqlalchemy', 'alembic', 'mlflow', 'db') if m in sys.modules];"
         "assert not bad, bad"
     )
@@ -385,8 +385,8 @@ def test_run_of_a_killed_orchestrator_becomes_interrupted(
     job_file = tmp_path / "job.json"
     make_result_record().job.write(job_file)
     code = (
-        "import sys; from pathlib import Path; from orchestrator.store import Store;"
-        "from orchestrator.records import JobSpec;"
+        "import sys; from pathlib import Path; from orchestrate.store.store import Store;"
+        "from orchestrate.api.records import JobSpec;"
         "job = JobSpec.model_validate_json(Path(sys.argv[2]).read_text());"
         "print(Store(sys.argv[1]).begin_run(job, 'ident'))"
     )
@@ -502,7 +502,7 @@ WRITER = """
 import sys
 sys.path.insert(0, sys.argv[3])
 from conftest import fabricate_result
-from orchestrator.store import Store
+from orchestrate.store.store import Store
 store = Store(sys.argv[1])
 for _ in range(int(sys.argv[2])):
     result = fabricate_result()
@@ -529,7 +529,7 @@ def test_parallel_writers_do_not_hit_locked_database(url: str) -> None:
 
 
 def test_every_stack_is_also_compared_with_a_declared_second_baseline(make_result_record):
-    from orchestrator.runner import comparisons
+    from orchestrate.running.runner import comparisons
 
     result = make_result_record()
     stock, fast = result.results

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator import tracking
-from orchestrator.records import ResultRecord
-from orchestrator.store import Store
+from orchestrate.api.records import ResultRecord
+from orchestrate.store import tracking
+from orchestrate.store.store import Store
 
 MakeResult = Callable[..., ResultRecord]
 RUN_ID = "0123456789abcdef0123456789abcdef"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import ModelSpec, SamplingConfig
-from orchestrator.families.rumik.engine import stock_engine
-from orchestrator.families.rumik.model import WeightsError, build_model, save_pretrained
-from orchestrator.families.rumik.vocab import build_prompt
+from orchestrate.api.config import ModelSpec, SamplingConfig
+from orchestrate.families.rumik.engine import stock_engine
+from orchestrate.families.rumik.model import WeightsError, build_model, save_pretrained
+from orchestrate.families.rumik.vocab import build_prompt
 
 
 def test_save_then_load_gives_the_same_model(tiny_model, tmp_path):

@@ -12,8 +12,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-import db
-from db.models import Base
+from orchestrate import db
+from orchestrate.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 
 class CFGLateOffParams(TechniqueParams):

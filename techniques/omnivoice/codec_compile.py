@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from orchestrator.technique import Refused, Technique, TechniqueParams
-from techniques.omnivoice.torch_compile import raise_recompile_limit
+from orchestrate.api.technique import Refused, Technique, TechniqueParams
+from orchestrate.techniques.omnivoice.torch_compile import raise_recompile_limit
 
 
 class CodecCompileParams(TechniqueParams):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 
 class ConfidenceParallelParams(TechniqueParams):
@@ -26,7 +26,7 @@ class ConfidenceUnmask:
         self.threshold = threshold
 
     def __call__(self, log_probs, tokens, k, step, cfg, mask_id) -> None:
-        from orchestrator.families.omnivoice.engine import position_scores, predict
+        from orchestrate.families.omnivoice.engine import position_scores, predict
 
         pred, conf = predict(log_probs, cfg, mask_id)
         masked = tokens == mask_id

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from omnivoice.models.omnivoice import GenerationTask, OmniVoiceGenerationConfig
 
-from orchestrator.families.omnivoice.engine import (
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.omnivoice.engine import (
     CFGBatch,
     Engine,
     StockGuidance,
@@ -35,7 +36,6 @@ from orchestrator.families.omnivoice.engine import (
     predict,
     record_passes,
 )
-from orchestrator.technique import Technique, TechniqueParams
 
 NOTES = "cuda_graph_loop"  # engine.notes key: {static key: StaticLoop}, plus the graph pool
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 
 class _Knob(Technique):

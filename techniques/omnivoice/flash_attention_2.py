@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.technique import Refused, Technique
+from orchestrate.api.technique import Refused, Technique
 
 
 class FlashAttention2(Technique):

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from orchestrator.technique import Refused, Technique, TechniqueParams, UnsupportedConfig
-from techniques.omnivoice.use_cache_off import wrapped_too_early
+from orchestrate.api.technique import Refused, Technique, TechniqueParams, UnsupportedConfig
+from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # FlashInfer's prefill kernels' head_dim instances
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partials)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 # Enough graphs for every (request length x row count) of a grid; past dynamo's default
 # limit (8) it would silently fall back to eager.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 
 def wrapped_too_early(earlier: dict[str, object]) -> str | None:

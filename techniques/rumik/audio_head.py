@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from orchestrator.families.rumik.engine import Engine, HeadLogits, tensor_bytes
-from orchestrator.technique import Technique
+from orchestrate.api.technique import Technique
+from orchestrate.families.rumik.engine import Engine, HeadLogits, tensor_bytes
 
 
 class AudioHead(Technique):

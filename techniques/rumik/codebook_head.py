@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from orchestrator.families.rumik.engine import Engine, HeadLogits, tensor_bytes
-from orchestrator.technique import Technique
+from orchestrate.api.technique import Technique
+from orchestrate.families.rumik.engine import Engine, HeadLogits, tensor_bytes
 
 
 class CodebookHead(Technique):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams
-from techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine
+from orchestrate.techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
 
 
 class GraphedDecoder:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine, masked_sdpa
-from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
+from orchestrate.api.technique import Technique, TechniqueParams, UnsupportedConfig
+from orchestrate.families.rumik.engine import Engine, masked_sdpa
 
 
 class DecodeAttentionParams(TechniqueParams):
@@ -32,7 +32,7 @@ class DecodeAttention(Technique):
     Params = DecodeAttentionParams
 
     def apply(self, engine: Engine) -> None:
-        from techniques.rumik.kernels.decode_attention import decode_attention
+        from orchestrate.techniques.rumik.kernels.decode_attention import decode_attention
 
         p: DecodeAttentionParams = self.params  # type: ignore[assignment]
         head_dim = engine.model.config.head_dim

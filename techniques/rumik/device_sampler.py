@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, HeadLogits
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.config import SamplingConfig
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine, HeadLogits
 
 KERNEL_SEED = 0x5EED  # the per-utterance seed goes into the counter, which lives on the device
 
@@ -43,7 +43,7 @@ class DeviceSampler:
         sampling: SamplingConfig,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        from techniques.rumik.kernels.sampler import sample_top_k
+        from orchestrate.techniques.rumik.kernels.sampler import sample_top_k
 
         if sampling.top_p < 1.0:
             raise ValueError("device_sampler supports top_p = 1.0 only")

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
-from techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
+from orchestrate.api.technique import Technique, TechniqueParams, UnsupportedConfig
+from orchestrate.families.rumik.engine import Engine
+from orchestrate.techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
 
 # The kernels' limits (techniques/rumik/kernels/rope_norm.py), checked before any launch.
 MAX_NORM_WIDTH = 16384
@@ -74,7 +74,7 @@ class FusedRopeNormDecoder(StaticDecoder):
             raise UnsupportedConfig(f"fused_rope_norm: batch must be 1, got {ids.shape[0]}")
         if ids.shape[1] != 1:  # prefill: the unfused path over the whole prompt
             return super()._forward(ids, positions)
-        from techniques.rumik.kernels import rope_norm as rn
+        from orchestrate.techniques.rumik.kernels import rope_norm as rn
 
         pdl, eps = self.pdl, self.eps
         x = F.embedding(ids, self.embed)

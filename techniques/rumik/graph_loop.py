@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 from pydantic import Field
 
-from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation, timed_since, token_budget
-from orchestrator.technique import Technique, TechniqueParams
-from techniques.rumik.cuda_graph import GraphedDecoder, graphs_twice
-from techniques.rumik.static_kv_cache import StaticDecoder
+from orchestrate.api.config import SamplingConfig
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine, Generation, timed_since, token_budget
+from orchestrate.techniques.rumik.cuda_graph import GraphedDecoder, graphs_twice
+from orchestrate.techniques.rumik.static_kv_cache import StaticDecoder
 
 
 class GraphLoopParams(TechniqueParams):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation, token_budget
-from orchestrator.technique import Technique
+from orchestrate.api.config import SamplingConfig
+from orchestrate.api.technique import Technique
+from orchestrate.families.rumik.engine import Engine, Generation, token_budget
 
 
 class _AudioOnly(LogitsProcessor):

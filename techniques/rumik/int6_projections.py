@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams, UnsupportedConfig
-from techniques.rumik.int8_projections import QuantizedPacked
+from orchestrate.api.technique import Technique, TechniqueParams, UnsupportedConfig
+from orchestrate.families.rumik.engine import Engine
+from orchestrate.techniques.rumik.int8_projections import QuantizedPacked
 
 
 class Int6Params(TechniqueParams):
@@ -38,17 +38,17 @@ class Int6Packed(QuantizedPacked):
                 )
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from techniques.rumik.kernels.int6_gemv import quantize_int6
+        from orchestrate.techniques.rumik.kernels.int6_gemv import quantize_int6
 
         return quantize_int6(w)
 
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        from techniques.rumik.kernels.int6_gemv import int6_linear
+        from orchestrate.techniques.rumik.kernels.int6_gemv import int6_linear
 
         return int6_linear(rows, q, scale, launch_pdl=self.pdl)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from techniques.rumik.kernels.int6_gemv import dequantize_int6
+        from orchestrate.techniques.rumik.kernels.int6_gemv import dequantize_int6
 
         return dequantize_int6(q, scale, dtype=dtype)
 

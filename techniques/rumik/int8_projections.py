@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine, tensor_bytes
-from orchestrator.technique import Technique, TechniqueParams
-from techniques.rumik.packed_projections import input_projections
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine, tensor_bytes
+from orchestrate.techniques.rumik.packed_projections import input_projections
 
 MAX_GEMV_ROWS = 4
 
@@ -87,17 +87,17 @@ class QuantizedPacked(abc.ABC):
 
 class Int8Packed(QuantizedPacked):
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from techniques.rumik.kernels.int8_gemv import quantize_int8
+        from orchestrate.techniques.rumik.kernels.int8_gemv import quantize_int8
 
         return quantize_int8(w)
 
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        from techniques.rumik.kernels.int8_gemv import int8_linear
+        from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
         return int8_linear(rows, q, scale, launch_pdl=self.pdl)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        from techniques.rumik.kernels.int8_gemv import dequantize_int8
+        from orchestrate.techniques.rumik.kernels.int8_gemv import dequantize_int8
 
         return dequantize_int8(q, scale).to(dtype)
 

@@ -18,8 +18,8 @@ is an error, never a silent no-op. (Those techniques also take `pdl: true` one b
 
 from __future__ import annotations
 
-from orchestrator.families.rumik.engine import Engine
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine
 
 # Techniques whose Triton kernels take launch_pdl.
 KERNEL_TECHNIQUES = (
@@ -56,7 +56,7 @@ class PDL(Technique):
             if hasattr(part, "pdl"):
                 part.pdl = True
                 switched.append(engine.filled.get(slot, slot))
-        from techniques.rumik.fused_rope_norm import FusedRopeNormDecoder
+        from orchestrate.techniques.rumik.fused_rope_norm import FusedRopeNormDecoder
 
         if engine.notes.get("static_decoder_cls") is FusedRopeNormDecoder:
             switched.append("fused_rope_norm")

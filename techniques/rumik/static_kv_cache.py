@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from orchestrator.families.rumik.engine import Engine, layer_norm
-from orchestrator.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine, layer_norm
 
 
 class CapacityError(ValueError):

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.config import SamplingConfig
-from orchestrator.families.rumik.engine import Engine, Generation
-from orchestrator.technique import Technique, TechniqueParams
-from techniques.rumik.cuda_graph import graphs_twice
-from techniques.rumik.graph_loop import _Captured, model_stop, start
-from techniques.rumik.kernels.while_node import WhileGraph
+from orchestrate.api.config import SamplingConfig
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine, Generation
+from orchestrate.techniques.rumik.cuda_graph import graphs_twice
+from orchestrate.techniques.rumik.graph_loop import _Captured, model_stop, start
+from orchestrate.techniques.rumik.kernels.while_node import WhileGraph
 
 
 class _Loop:

@@ -7,7 +7,7 @@ reference:
 - sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
 - rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
 
-Submodules import Triton; this package does not, so `import techniques.rumik.kernels` is cheap.
+Submodules import Triton; this package does not, so importing it is cheap.
 Names below are loaded on first use.
 """
 

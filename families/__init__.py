@@ -1,0 +1,1 @@
+"""Model families: each one a plugin package (entry-point group `orchestrate.families`)."""

@@ -1,0 +1,104 @@
+"""Device helpers for families and techniques: `sync`, and kernel launches per decode step
+counted on the GPU (None on a CPU).
+
+Two numbers per generated token, from torch.profiler (CUPTI) around the engine's own token
+loop, differenced between two lengths so prefill, the first step and one-off work cancel:
+
+- `kernels_per_step`: kernels the GPU executes per token (graph-replayed kernels included:
+  CUPTI reports kernels launched by a graph like any other), memcpy/memset excluded;
+- `launches_per_step`: host launch calls per token (cudaLaunchKernel*, cuLaunchKernel*, and
+  cudaGraphLaunch/cuGraphLaunch, each counting as one): what the CPU must issue. Under
+  cuda_graph this is ~1; under graph_loop with a length policy it is the one graph per token.
+  Kernels inside a conditional WHILE node (while_graph) are invisible to CUPTI: measured on
+  the H200, the count comes back 0, so kernels_per_step is then left out, not reported as 0.
+
+`graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
+keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_HOST_LAUNCH_MARKERS = ("LaunchKernel", "GraphLaunch", "LaunchCooperativeKernel")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU, which runs eagerly)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int] | None:
+    """Kernels executed and host launch calls made while `fn` runs; None off CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    kernels = launches = 0
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            if not ev.name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
+                kernels += 1
+        elif any(m in ev.name for m in _HOST_LAUNCH_MARKERS):
+            launches += 1
+    return {"kernels": kernels, "launches": launches}
+
+
+def per_step(
+    run: Callable[[int], int], device: torch.device, short: int = 1, long: int = 3
+) -> dict[str, float] | None:
+    """Per-token launch counts of a token loop. `run(frames)` generates `frames` frames and
+    returns how many tokens it made; the counts of `long` minus `short` frames over the
+    difference in tokens are per decode step. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    run(short)  # anything first-use (capture, autotuning) happens outside the counts
+    counts: list[tuple[int, dict[str, int]]] = []
+    for frames in (short, long):
+        made: list[int] = []
+        c = count_launches(lambda f=frames, made=made: made.append(run(f)), device)
+        if c is None:
+            return None
+        counts.append((made[0], c))
+    (t1, c1), (t2, c2) = counts
+    if t2 <= t1:
+        return None
+    steps = t2 - t1
+    out = {"launches_per_step": (c2["launches"] - c1["launches"]) / steps}
+    kernels = c2["kernels"] - c1["kernels"]
+    if kernels > 0:  # CUPTI does not see kernels run inside conditional graph nodes
+        out["kernels_per_step"] = kernels / steps  # (while_graph): no count beats a 0
+    return out
+
+
+def graph_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int:
+    """Kernel nodes in a captured graph (torch.cuda.CUDAGraph(keep_graph=True)), via
+    cuda-bindings' cudaGraphGetNodes / cudaGraphNodeGetType."""
+    from cuda.bindings import runtime as cudart
+
+    raw = graph.raw_cuda_graph()
+    err, _, n = cudart.cudaGraphGetNodes(raw)
+    _check(cudart, err, "cudaGraphGetNodes")
+    err, nodes, n = cudart.cudaGraphGetNodes(raw, n)
+    _check(cudart, err, "cudaGraphGetNodes")
+    kernel = cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel
+    count = 0
+    for node in nodes[:n]:
+        err, kind = cudart.cudaGraphNodeGetType(node)
+        _check(cudart, err, "cudaGraphNodeGetType")
+        count += int(kind) == int(kernel)
+    return count
+
+
+def _check(cudart: Any, err: Any, what: str) -> None:
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{what} failed: {err}")

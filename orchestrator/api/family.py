@@ -1,0 +1,106 @@
+"""What a model family plugin is: its engine's slots, its presets and defaults, and the
+five calls the worker makes (build the model, build an engine for a stack, time one
+synthesis, count the bytes a step must move, measure fidelity against stock).
+
+A family is a package with one entry point in the group `orchestrate.families`:
+
+    [project.entry-points."orchestrate.families"]
+    my_tts = "my_pkg.family:MyTTSFamily"
+
+The core never imports a family: the worker finds it by the name in ModelSpec.family
+(`orchestrate.api.registry.get_family`). Techniques name the family they modify and may
+fill or wrap only the slots it declares here; a technique claiming another slot is refused
+at discovery, by name.
+"""
+
+from __future__ import annotations
+
+import abc
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from orchestrate.api.config import ModelSpec, Workload
+from orchestrate.api.records import FidelityRecord
+from orchestrate.api.technique import BuiltStack
+
+
+def configs_hash(**configs: Any) -> str:
+    """16 hex digits naming a model's architecture: its configs' dicts, keys sorted (the
+    environment records it, so results of different shapes are never compared)."""
+    blob = json.dumps({k: c.to_dict() for k, c in configs.items()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Synthesis:
+    """One timed synthesis. Times are seconds; audio is a CPU float32 waveform."""
+
+    latency_s: float
+    lm_s: float
+    codec_s: float
+    prefill_s: float | None
+    prompt_tokens: int
+    new_tokens: int
+    frames: int
+    stop_reason: str
+    audio: np.ndarray
+    sample_rate: int
+    # Families whose generation is a fixed number of whole-sequence forwards (OmniVoice's
+    # unmasking steps) report them and what one forward must move/compute at least.
+    forward_passes: int | None = None
+    forward_bytes: float | None = None
+    forward_flops: float | None = None
+
+
+class Family(abc.ABC):
+    """A model family: subclass, fill the class attributes, implement the five calls."""
+
+    name: ClassVar[str]
+    # Engine slots techniques may fill or wrap, in data-flow order; a glob ("knob.*")
+    # declares a family of slots.
+    slots: ClassVar[tuple[str, ...]]
+    presets: ClassVar[tuple[str, ...]] = ()  # configs/models/<preset>.yaml of this family
+    baseline: ClassVar[str] = "stock"  # the stack `orchestrate run` compares against
+    workload: ClassVar[str] = "smoke"  # the workload `orchestrate run` uses by default
+    summary: ClassVar[str] = ""
+
+    @classmethod
+    def declares(cls, slot: str) -> bool:
+        return any(fnmatch.fnmatchcase(slot, pattern) for pattern in cls.slots)
+
+    def slot_occupants(self, engine: Any) -> dict[str, Any]:
+        """What fills each declared slot of `engine` (for `orchestrate explain`): by default
+        the engine attribute of the slot's name; families whose slots live elsewhere
+        override this."""
+        return {s: getattr(engine, s) for s in self.slots if hasattr(engine, s)}
+
+    @abc.abstractmethod
+    def build_model(self, spec: ModelSpec) -> Any:
+        """The model at `spec`'s shape (random weights) or from its local weights."""
+
+    @abc.abstractmethod
+    def config_hash(self, model: Any) -> str:
+        """16 hex digits naming the architecture (see `configs_hash`)."""
+
+    @abc.abstractmethod
+    def build_engine(self, model: Any, stack: BuiltStack) -> Any:
+        """Stock's engine with `stack`'s techniques applied in order."""
+
+    @abc.abstractmethod
+    def synthesize(self, engine: Any, text: str, seed: int, workload: Workload) -> Synthesis:
+        """One timed synthesis, from prompt construction to the CPU waveform."""
+
+    @abc.abstractmethod
+    def step_bytes(self, engine: Any, context: float) -> int | None:
+        """Fewest bytes one decode step must move at `context` positions; None if unknown."""
+
+    @abc.abstractmethod
+    def fidelity(
+        self, model: Any, engines: dict[str, Any], workload: Workload, steps: int
+    ) -> dict[str, FidelityRecord]:
+        """Each engine's next-step distributions against stock's, teacher-forced."""

@@ -1,0 +1,203 @@
+"""The two documents that cross the worker boundary: a job spec in, a result record out.
+
+Both are plain pydantic models serialised as JSON, so a job can be written on one machine,
+run by `orchestrate worker JOB.json` on another (a GPU host with no database or MLflow), and
+its result brought back with `orchestrate ingest RESULT.json`. Only torch, transformers,
+pydantic and the project are needed to produce a result record.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrate.api.config import ModelSpec, StackSpec, Workload
+from orchestrate.api.protocol import Protocol
+
+SCHEMA_VERSION = 1
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}, for MLflow params and run diffs. Lists stay whole
+    (a prompt list is one setting) and an empty dict is a leaf, so a technique without
+    parameters still shows."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def write(self, path: Path) -> None:
+        """Write atomically: a reader never sees a half-written file."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".partial")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------ job
+
+
+class JobSpec(Record):
+    """Everything a worker needs to measure a set of stacks on one model and workload.
+
+    Stacks in one job share the built model and are measured interleaved (utterance by
+    utterance, rotating the stack order each round) so clock and thermal drift hit every
+    stack alike. The first stack is the baseline the others are compared against.
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    model: ModelSpec
+    workload: Workload
+    stacks: list[StackSpec] = Field(min_length=1)
+    protocol: Protocol = Protocol()
+    strict: bool = Field(
+        False, description="Refuse (instead of skip) techniques this device lacks."
+    )
+    fidelity_steps: int = Field(
+        32, ge=0, description="Teacher-forced steps for next-token fidelity against stock (0: off)."
+    )
+    output_dir: str = Field(
+        description="Where the worker writes WAVs (relative to its cwd or absolute)."
+    )
+    code_sha: str | None = None
+
+    @property
+    def baseline(self) -> StackSpec:
+        return self.stacks[0]
+
+
+# --------------------------------------------------------------------------- result
+
+
+class EnvironmentInfo(Record):
+    hostname: str
+    platform: str
+    python: str
+    torch: str
+    transformers: str
+    cuda: str | None = None
+    device_name: str
+    driver: str | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    power_w: float | None = None
+    gpu_count: int = 0
+    matmul_tflop_s: float | None = Field(
+        None, description="Measured dense matmul throughput in the model's dtype."
+    )
+    copy_gb_s: float | None = Field(
+        None, description="Measured copy bandwidth (bytes read + written): the floor's ceiling."
+    )
+    cpu_count: int
+    git_sha: str | None = None
+    git_dirty: bool | None = None
+    model_config_hash: str
+    packages: dict[str, str] = Field(default_factory=dict)
+
+
+class UtteranceRecord(Record):
+    """One timed synthesis: one prompt, one seed, one stack."""
+
+    prompt_id: str
+    seed: int
+    round: int = Field(description="Interleaving round (0-based); same round = same conditions.")
+    latency_s: float = Field(description="Prompt construction -> completed CPU waveform.")
+    lm_s: float = Field(description="Token generation (prefill + decode loop).")
+    codec_s: float = Field(description="Codec decode to a CPU waveform.")
+    prefill_s: float | None = None
+    time_to_first_audio_s: float | None = Field(
+        None, description="Until the first 80 ms frame is decoded (streaming-style), if measured."
+    )
+    prompt_tokens: int
+    new_tokens: int
+    frames: int
+    audio_s: float
+    stop_reason: Literal["end_token", "stop_head", "length_policy", "token_cap"]
+    audio_path: str | None = None
+    forward_passes: int | None = Field(
+        None, description="Whole-sequence forwards run (OmniVoice: unmasking steps)."
+    )
+    forward_bytes: float | None = Field(
+        None, description="Least bytes one of those forwards must read (weights once)."
+    )
+    forward_flops: float | None = Field(None, description="FLOPs of one of those forwards.")
+    # Integrity, computed on the waveform (scoring proper runs later, on saved audio).
+    finite: bool = True
+    peak_abs: float = 0.0
+    clipped_samples: int = 0
+
+
+class FidelityRecord(Record):
+    """Next-token distributions of a stack against stock, teacher-forced on one sequence."""
+
+    steps: int
+    max_abs_logit_diff: float
+    mean_kl: float
+    max_kl: float
+    top1_agreement: float
+    topk_agreement: float = Field(description="Mean Jaccard overlap of the top-k candidate sets.")
+    within_tolerance: bool
+    tolerance: float
+    noise_floor_max_abs: float | None = Field(
+        None, description="Half precision: stock's own max |logit diff| from an fp32 upcast."
+    )
+    noise_floor_kl: float | None = Field(
+        None, description="Half precision: stock's own mean KL from an fp32 upcast."
+    )
+    support_kl: float | None = Field(
+        None,
+        description="Mean KL against stock renormalised over the columns the stack can emit "
+        "(a restricted head): what the stack changes besides the restriction itself.",
+    )
+    support_top1: float | None = Field(
+        None, description="Top-1 agreement with stock's argmax over the stack's columns."
+    )
+
+
+class StackResult(Record):
+    stack: StackSpec
+    status: Literal["ok", "partial", "failed", "refused"]
+    applied: list[str] = Field(
+        default_factory=list, description="name@version of applied techniques"
+    )
+    skipped: dict[str, str] = Field(default_factory=dict, description="technique -> why skipped")
+    exact: bool = Field(True, description="False when any applied technique is approximate.")
+    error: str | None = None
+    setup_s: float = Field(0.0, description="Engine build, graph capture, compile (not timed).")
+    warmup_s: float = 0.0
+    peak_memory_bytes: int | None = None
+    utterances: list[UtteranceRecord] = Field(default_factory=list)
+    fidelity: FidelityRecord | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class ResultRecord(Record):
+    schema_version: int = SCHEMA_VERSION
+    job: JobSpec
+    status: Literal["finished", "partial", "failed"]
+    started_at: datetime
+    finished_at: datetime
+    environment: EnvironmentInfo
+    results: list[StackResult]
+    error: str | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> ResultRecord:
+        return cls.model_validate_json(Path(path).read_text())

@@ -1,0 +1,3 @@
+from orchestrate.cli.app import app
+
+app()

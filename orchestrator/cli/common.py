@@ -1,0 +1,37 @@
+"""What every `orchestrate` command shares: consoles, common options, error exit, store."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+# Piped output (scripts, CI logs) gets a wide table instead of one cut to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+DbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL (default: $ORCHESTRATE_DB_URL or sqlite:///orchestrate.db)."
+    ),
+]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+def open_store(db: str | None) -> Any:
+    from orchestrate.store.store import Store  # lazily: `worker` must not need SQLAlchemy
+
+    return Store(db)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")

@@ -1,0 +1,445 @@
+"""`orchestrate noise | score | gate | ledger | frontier | figures`: the research protocol.
+
+The loop these commands enforce:
+  noise (stock vs itself, N repeats -> gates written into a new protocol version)
+  -> development ladder (`orchestrate run`, dev prompts only)
+  -> gate: fresh post-warm-up remeasure on dev prompts; only a candidate faster beyond noise
+     opens the sealed holdout; holdout run scored; accept (new champion) or retain, with
+     the reasons; every rejection lands in the failure ledger
+  -> ledger, frontier, figures: regenerated from stored records.
+
+Registered into the main app by cli/app.py (`protocol_cli.register(app)`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from orchestrate.api import protocol as proto
+from orchestrate.api.config import (
+    CONFIG_DIR,
+    REPO_ROOT,
+    ConfigError,
+    load_model_spec,
+    load_stack,
+    load_workload,
+)
+from orchestrate.api.protocol import load_protocol
+from orchestrate.api.registry import StackError
+from orchestrate.cli.common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
+from orchestrate.research import gate as gate_pipeline
+
+ProtocolOpt = Annotated[
+    str, typer.Option("--protocol", help="Protocol name (configs/) or YAML path.")
+]
+ModelOpt = Annotated[
+    str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
+]
+WorkloadOpt = Annotated[
+    str, typer.Option(help="Development workload name (configs/workloads/) or YAML path.")
+]
+RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")]
+# Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
+# `reports` package for every later command run from there (editable installs).
+REPORTS_DIR = REPO_ROOT / "reports"
+
+
+def _protocol_file(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    return path if path.exists() else CONFIG_DIR / f"{name_or_path}.yaml"
+
+
+def _events(quiet: bool) -> Any:
+    def on_event(event: dict[str, Any]) -> None:
+        if not quiet and event.get("event") == "status":
+            err.print(f"[dim]{event['message']}[/dim]")
+
+    return on_event
+
+
+# -------------------------------------------------------------------------------- noise
+
+
+def noise(
+    stack: Annotated[str, typer.Option("--stack", "-s", help="Stack measured against itself.")] = (
+        "stock"
+    ),
+    repeats: Annotated[int, typer.Option(help="A/A jobs (>= 2), seeds shifted per repeat.")] = 3,
+    model: ModelOpt = "tiny",
+    workload: WorkloadOpt = "smoke",
+    protocol: ProtocolOpt = "protocol",
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where the new protocol version goes (default: over --protocol)."),
+    ] = None,
+    mlflow: Annotated[bool, typer.Option(help="Log the A/A runs to MLflow too.")] = True,
+    runs_dir: RunsDirOpt = Path("runs"),
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure run-to-run noise of every metric and write gates into a new protocol version."""
+    from orchestrate.api.scoring import ScoringError
+    from orchestrate.research import noise as noise_mod
+
+    try:
+        current = load_protocol(protocol)
+        spec = load_model_spec(model)
+        dev, base = load_workload(workload), load_stack(stack)
+    except (ConfigError, StackError) as exc:
+        fail(str(exc))
+    store = open_store(db)
+    try:
+        proto.register(store, current)
+        analysis = noise_mod.measure(
+            store,
+            stack=base,
+            model=spec,
+            dev=dev,
+            protocol=current,
+            repeats=repeats,
+            runs_dir=runs_dir,
+            track=mlflow,
+            on_event=_events(as_json),
+        )
+        new = noise_mod.propose(current, analysis)
+        target = out or _protocol_file(protocol)
+        proto.write(new, target)
+        proto.register(store, new)
+    except (noise_mod.NoiseError, proto.ProtocolError, StackError, ScoringError) as exc:
+        fail(str(exc), 1)
+    summary = {
+        "runs": analysis.runs,
+        "analysis": analysis.to_dict(),
+        "protocol": {
+            "path": str(target),
+            "version": new.version,
+            "hash": new.content_hash(),
+            "parent": current.content_hash(),
+        },
+        "gates": [g.model_dump() for g in new.quality.gates],
+        "min_speedup": new.speed.min_speedup,
+    }
+    if as_json:
+        return print_json(summary)
+    table = Table(title=f"noise: {analysis.stack} vs {analysis.stack}.aa, {repeats} repeats")
+    for col in ("metric", "per repeat", "sd", "max Δ", "tolerance", "rule"):
+        table.add_column(col)
+    for sp in [*analysis.speed.values(), *analysis.quality.values()]:
+        table.add_row(
+            sp.metric,
+            ", ".join(f"{v:.4g}" for v in sp.values),
+            f"{sp.sd:.3g}",
+            f"{sp.max_pair_delta:.3g}",
+            "" if sp.tolerance is None else f"{sp.tolerance:.4g}",
+            sp.rule,
+        )
+    console.print(table)
+    for c in analysis.aa:
+        console.print(f"A/A speed: {c.reason()}")
+    for note in analysis.notes:
+        console.print(f"[yellow]{note}[/yellow]")
+    console.print(
+        f"wrote protocol {new.name} v{new.version} ({new.content_hash()}) to {target}: "
+        f"min speedup {new.speed.min_speedup}, gates: "
+        + "; ".join(g.describe() for g in new.quality.gates)
+    )
+
+
+# -------------------------------------------------------------------------------- score
+
+
+def score(
+    run: Annotated[str | None, typer.Argument(help="Run id or prefix to score (in the DB).")] = (
+        None
+    ),
+    result: Annotated[
+        Path | None, typer.Option(help="Score this result JSON without a database.")
+    ] = None,
+    audio_dir: Annotated[
+        Path | None, typer.Option(help="Folder the result's relative WAV paths are under.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="With --result: score sheet JSON.")] = None,
+    ingest: Annotated[Path | None, typer.Option(help="Store a score sheet made elsewhere.")] = None,
+    protocol: ProtocolOpt = "protocol",
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Score saved recordings with the protocol's scorer set (here, or on another worker)."""
+    from orchestrate.api.records import ResultRecord
+    from orchestrate.api.scoring import ScoringError
+    from orchestrate.research import scoring_run
+    from orchestrate.store.store import StoreError
+
+    try:
+        current = load_protocol(protocol)
+    except ConfigError as exc:
+        fail(str(exc))
+    if sum(x is not None for x in (run, result, ingest)) != 1:
+        fail("give exactly one of: RUN, --result FILE (no database), --ingest SHEET")
+    try:
+        if result is not None:  # a scoring worker: no database, writes a sheet
+            rec = ResultRecord.read(result)
+            sheet = scoring_run.score_result(
+                rec, current, audio_dir or scoring_run.audio_root(rec, result)
+            )
+            target = out or result.with_name(f"scores-{rec.job.job_id}.json")
+            sheet.write(target)
+            return _report_sheet(sheet, as_json, f"wrote {target}")
+        store = open_store(db)
+        proto.register(store, current)
+        if ingest is not None:
+            sheet = scoring_run.ScoreSheet.model_validate_json(ingest.read_text())
+            run_id = next(
+                (r["id"] for r in store.list_runs(limit=100_000) if r["job_id"] == sheet.job_id),
+                None,
+            )
+            if run_id is None:
+                fail(f"no run of job {sheet.job_id} in the database; ingest its result first")
+            added = scoring_run.store_sheet(store, run_id, sheet)
+        else:
+            sheet, added = scoring_run.score_run(store, run, current, audio_dir)  # type: ignore[arg-type]
+            run_id = store.resolve(run)  # type: ignore[arg-type]
+    except (ScoringError, StoreError, ValueError, LookupError, OSError) as exc:
+        fail(str(exc), 1)
+    rows = scoring_run.load_rows(store, run_id)
+    quality = scoring_run.stack_quality(store.get_result(run_id), rows, current)
+    if as_json:
+        return print_json(
+            {
+                "run_id": run_id,
+                "added": added,
+                "quality": {k: vars(v) for k, v in quality.items()},
+            }
+        )
+    _quality_table(f"scores of run {run_id[:8]} ({added} new rows)", quality)
+
+
+def _report_sheet(sheet: Any, as_json: bool, message: str) -> None:
+    if as_json:
+        return print_json(sheet.model_dump(mode="json"))
+    failures = sum(r.status != "ok" for r in sheet.rows)
+    console.print(f"{message}: {len(sheet.rows)} scores, {failures} coverage failures")
+
+
+def _quality_table(title: str, quality: dict[str, Any]) -> None:
+    metrics = sorted({m for q in quality.values() for m in q.values})
+    table = Table(title=title)
+    table.add_column("stack")
+    for m in metrics:
+        table.add_column(m, justify="right")
+    table.add_column("coverage failures", justify="right")
+    for name, q in quality.items():
+        cells = [f"{q.values[m]:.4g}" if m in q.values else "-" for m in metrics]
+        table.add_row(name, *cells, str(q.coverage_failures))
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------- gate
+
+
+def gate(
+    stack: Annotated[str, typer.Option("--stack", "-s", help="Candidate stack (name or YAML).")],
+    model: ModelOpt = "tiny",
+    workload: WorkloadOpt = "smoke",
+    protocol: ProtocolOpt = "protocol",
+    holdout: Annotated[
+        Path | None, typer.Option(help="Sealed holdout file (default configs/holdout/NAME.yaml).")
+    ] = None,
+    allow_holdout_reuse: Annotated[
+        bool, typer.Option(help="Accept even if this stack (or its lineage) saw the holdout.")
+    ] = False,
+    mlflow: Annotated[bool, typer.Option(help="Log runs and the champion alias to MLflow.")] = (
+        True
+    ),
+    runs_dir: RunsDirOpt = Path("runs"),
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Phase gate: fresh remeasure, then the sealed holdout; accept (champion) or retain."""
+    from orchestrate.api.scoring import ScoringError
+    from orchestrate.research.holdout import HoldoutError
+    from orchestrate.running.runner import Interrupted
+
+    try:
+        current = load_protocol(protocol)
+        spec, dev, cand = load_model_spec(model), load_workload(workload), load_stack(stack)
+    except (ConfigError, StackError) as exc:
+        fail(str(exc))
+    store = open_store(db)
+    try:
+        report = gate_pipeline.run_gate(
+            store,
+            candidate=cand,
+            model=spec,
+            dev=dev,
+            protocol=current,
+            runs_dir=runs_dir,
+            track=mlflow,
+            allow_reuse=allow_holdout_reuse,
+            holdout_file=holdout,
+            on_event=_events(as_json),
+        )
+    except (proto.ProtocolError, HoldoutError, StackError) as exc:
+        fail(str(exc))
+    except ScoringError as exc:  # a scorer of the protocol cannot load here
+        fail(f"scoring failed: {exc}", 1)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        fail(f"interrupted; runs are marked INTERRUPTED and the holdout audit closed ({exc})", 130)
+    if as_json:
+        return print_json(report)
+    v = report.get("verdict", {})
+    color = "green" if v.get("verdict") == "accept" else "yellow"
+    console.print(
+        f"[{color}]{v.get('verdict', '?').upper()}[/{color}] {report['candidate']} vs "
+        f"{report['against']} on {report['workload']} ({report['hardware']}), "
+        f"protocol {report['protocol']}"
+    )
+    for reason in v.get("reasons", []):
+        console.print(f"  - {reason}")
+    if "vs_stock" in report:
+        console.print(f"  vs stock: {report['vs_stock']}")
+    rec = report.get("record") or {}
+    if rec.get("mlflow_model"):
+        console.print(f"  champion: {rec['mlflow_model']}")
+
+
+# ------------------------------------------------------------------------------ reports
+
+
+def ledger(
+    cause: Annotated[str | None, typer.Option(help="Only this cause (slower, gate, ...).")] = None,
+    stack: Annotated[str | None, typer.Option(help="Only this stack.")] = None,
+    limit: int = 1000,
+    out: Annotated[Path, typer.Option(help="Markdown ledger (always the full ledger).")] = (
+        REPORTS_DIR / "ledger.md"
+    ),
+    write: Annotated[bool, typer.Option(help="Write the markdown ledger.")] = True,
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Failure ledger: every rejected or failed stack with its cause."""
+    from orchestrate.reports import ledger as ledger_mod
+
+    store = open_store(db)
+    rows = ledger_mod.entries(store, cause=cause, stack=stack, limit=limit)
+    if write:
+        ledger_mod.write(store, out)
+    if as_json:
+        return print_json(rows)
+    table = Table(title="failure ledger" + (f" (written to {out})" if write else ""))
+    for col in ("when", "stack", "cause", "workload", "protocol", "detail"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            f"{r['created_at']:%Y-%m-%d %H:%M}",
+            r["stack_name"] or "(run)",
+            r["cause"],
+            r["workload"] or "",
+            f"v{r['protocol_version']}" if r["protocol_version"] else "",
+            r["detail"][:100],
+        )
+    console.print(table)
+
+
+def frontier(
+    workload: WorkloadOpt = "smoke",
+    model: Annotated[
+        str | None, typer.Option(help="Model preset (default: that of the newest run).")
+    ] = None,
+    hardware: Annotated[str | None, typer.Option(help="Default: the newest run's.")] = None,
+    metric: Annotated[str | None, typer.Option(help="Quality axis of the Pareto set.")] = None,
+    protocol: ProtocolOpt = "protocol",
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cumulative best unflagged speedup over experiments, and the speed-quality Pareto set."""
+    from orchestrate.reports.frontier import collect
+
+    try:
+        current = load_protocol(protocol)
+        spec = load_model_spec(model) if model else None
+        name = load_workload(workload).name
+        data = collect(open_store(db), current, name, spec, hardware, metric)
+    except (ConfigError, proto.ProtocolError) as exc:
+        fail(str(exc))
+    if as_json:
+        return print_json(data.to_dict())
+    table = Table(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
+    for col in ("#", "phase", "stack", "speedup", "status", "why"):
+        table.add_column(col)
+    steps = {s["index"] for s in data.frontier}
+    for p in data.points:
+        mark = " ◀ frontier" if p.index in steps else ""
+        table.add_row(
+            str(p.index),
+            p.phase,
+            p.stack,
+            f"{p.speedup:.3f}x{mark}",
+            p.status,
+            "; ".join(p.reasons)[:90],
+        )
+    console.print(table)
+    best = data.frontier[-1] if data.frontier else None
+    console.print(
+        f"best unflagged: {best['speedup']:.3f}x ({best['stack']})"
+        if best
+        else "no unflagged point beats stock yet"
+    )
+    console.print(
+        f"Pareto set (speedup vs Δ{data.pareto_metric}): "
+        + ", ".join(f"{c['stack']} {c['speedup']:.2f}x Δ{c['delta']:+.3g}" for c in data.pareto)
+    )
+    if data.excluded:
+        console.print(f"[dim]not shown: {data.excluded}[/dim]")
+
+
+def figures(
+    workload: WorkloadOpt = "smoke",
+    model: Annotated[str | None, typer.Option(help="Default: the newest run's model.")] = None,
+    hardware: Annotated[str | None, typer.Option(help="Default: the newest run's.")] = None,
+    run: Annotated[
+        str | None, typer.Option(help="Run for the quality screen (default: latest holdout).")
+    ] = None,
+    ladder_run: Annotated[
+        str | None, typer.Option(help="Run for the ladder (default: the workload's newest).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = REPORTS_DIR / "figures",
+    protocol: ProtocolOpt = "protocol",
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Draw frontier, Pareto, quality screen, holdout-delta, ladder and throughput figures."""
+    from orchestrate.reports.figures import render_all
+
+    try:
+        current = load_protocol(protocol)
+        spec = load_model_spec(model) if model else None
+        name = load_workload(workload).name
+        store = open_store(db)
+        manifest = render_all(
+            store,
+            current,
+            name,
+            out,
+            spec,
+            hardware,
+            store.resolve(run) if run else None,
+            store.resolve(ladder_run) if ladder_run else None,
+        )
+    except (ConfigError, proto.ProtocolError, LookupError) as exc:
+        fail(str(exc))
+    if as_json:
+        return print_json(manifest)
+    for fig in manifest["figures"]:
+        console.print(f"wrote {out / fig}")
+    for fig, why in manifest["skipped"].items():
+        console.print(f"[yellow]skipped {fig}: {why}[/yellow]")
+
+
+def register(app: typer.Typer) -> None:
+    for command in (noise, score, gate, ledger, frontier, figures):
+        app.command()(command)

@@ -1,0 +1,176 @@
+"""The phase gate: fresh remeasure on dev prompts, then (only if faster beyond noise) the
+sealed holdout, scoring, and accept (new champion) or retain, with the evidence.
+
+`run_gate` is the one sanctioned reader of holdout prompts (see orchestrator/holdout.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orchestrate.api import protocol as proto
+from orchestrate.api.config import ModelSpec, StackSpec, Workload, load_stack
+from orchestrate.api.protocol import Protocol
+from orchestrate.api.registry import StackError
+
+
+def run_gate(
+    store: Any,
+    *,
+    candidate: StackSpec,
+    model: ModelSpec,
+    dev: Workload,
+    protocol: Protocol,
+    runs_dir: Path,
+    track: bool,
+    allow_reuse: bool = False,
+    holdout_file: Path | None = None,
+    on_event: Any = None,
+) -> dict[str, Any]:
+    """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
+    only sanctioned reader), score it, and accept or retain. Returns the full evidence."""
+    from orchestrate.research import decide, holdout, scoring_run
+    from orchestrate.running.plan import plan_job
+    from orchestrate.running.runner import execute
+
+    proto.require_gates(protocol)
+    proto.register(store, protocol)
+    on_event = on_event or (lambda e: None)
+    stock = load_stack("stock")
+    if not candidate.techniques or candidate.content_hash() == stock.content_hash():
+        raise StackError("stock is the reference, not a candidate")
+    hardware, mkey = decide.local_hardware(model.device), decide.model_key(model)
+    champ = decide.current_champion(store, model.family, mkey, dev.name, hardware)
+    champ_spec = decide.champion_spec(champ) if champ else None
+    if champ_spec and champ_spec.content_hash() == candidate.content_hash():
+        raise StackError(f"{candidate.name} is already the champion for {dev.name} here")
+    stacks = [stock, *([champ_spec] if champ_spec else []), candidate]
+    against = champ_spec.name if champ_spec else stock.name
+    report: dict[str, Any] = {
+        # The champion is re-measured in the same jobs, so its standing under an older
+        # protocol version is never compared with numbers measured under this one.
+        "champion": None
+        if champ is None
+        else {"stack": champ["stack_name"], "accepted_under": champ["protocol_hash"]},
+        "candidate": candidate.name,
+        "against": against,
+        "hardware": hardware,
+        "model": mkey,
+        "workload": dev.name,
+        "protocol": proto.label(protocol),
+        "holdout_run": None,
+    }
+    keep = {"warmups": max(1, dev.warmups), "save_audio": len(dev.prompts) * len(dev.seeds)}
+    remeasure = Workload.model_validate(
+        dev.model_dump() | keep | {"name": proto.phase_workload(dev.name, "remeasure")}
+    )
+    on_event({"event": "status", "message": "fresh post-warm-up remeasure (dev prompts)"})
+    first = execute(
+        plan_job(model, remeasure, stacks, protocol, runs_dir),
+        store,
+        runs_dir,
+        track=track,
+        force=True,
+        on_event=on_event,
+    )
+    report["remeasure_run"] = first.run_id
+    if first.result is None:
+        report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
+        return report
+    by = {r.stack.name: r for r in first.result.results}
+    speedup = first.comparisons.get(candidate.name, {}).get("speedup_vs_baseline", 0.0)
+    checks = [
+        decide.speed_check(
+            "remeasure", by[against], by[candidate.name], protocol.speed, protocol.speed_metric
+        )
+    ]
+    if against != stock.name:
+        report["vs_stock"] = decide.speed_check(
+            "remeasure", by[stock.name], by[candidate.name], protocol.speed, protocol.speed_metric
+        ).reason()
+    common = {
+        "stack": candidate,
+        "protocol": protocol,
+        "family": model.family,
+        "model": mkey,
+        "workload": dev.name,
+        "hardware": hardware,
+        "speedup": speedup,
+    }
+    early = decide.judge(by[candidate.name], checks)
+    if early.verdict == "retain":  # broken or not faster: the holdout stays sealed
+        evidence = {"remeasure_run": first.run_id, "holdout": "not opened"}
+        report["record"] = decide.record(
+            store, run_id=first.run_id, verdict=early, evidence=evidence, **common
+        )
+        report["verdict"] = early.to_dict()
+        return report
+    with holdout.unseal("gate") as key:
+        held, held_hash = holdout.load_holdout(dev, key, holdout_file)
+        opened = holdout.open_audit(
+            store, key, dev.name, held_hash, candidate, protocol.content_hash()
+        )
+        report["holdout_flags"] = opened.flags
+        status, run_id = "error", None
+        try:
+            on_event({"event": "status", "message": "holdout gate (sealed prompts)"})
+            second = execute(
+                plan_job(model, held, stacks, protocol, runs_dir),
+                store,
+                runs_dir,
+                track=track,
+                force=True,
+                on_event=on_event,
+            )
+            run_id = report["holdout_run"] = second.run_id
+            if second.result is None:
+                report["verdict"] = {
+                    "verdict": "retain",
+                    "failure": "crash",
+                    "reasons": [second.error],
+                }
+                return report
+            on_event({"event": "status", "message": "scoring holdout recordings"})
+            scoring_run.score_run(store, second.run_id, protocol)
+            rows = scoring_run.load_rows(store, second.run_id)
+            quality = scoring_run.stack_quality(second.result, rows, protocol)
+            held_by = {r.stack.name: r for r in second.result.results}
+            checks.append(
+                decide.speed_check(
+                    "holdout",
+                    held_by[against],
+                    held_by[candidate.name],
+                    protocol.speed,
+                    protocol.speed_metric,
+                    judge_on="point",
+                    threshold=1.0,
+                )
+            )
+            q_stock, q_cand = quality[stock.name], quality[candidate.name]
+            gates = decide.check_gates(q_stock, q_cand, protocol.quality)
+            gates.append(decide.check_coverage(q_stock, q_cand, protocol.quality))
+            verdict = decide.judge(
+                held_by[candidate.name], checks, gates, opened.flags, allow_flagged=allow_reuse
+            )
+            stack_runs = {s["name"]: s["mlflow_run_id"] for s in store.get_run(run_id)["stacks"]}
+            evidence = {
+                "remeasure_run": first.run_id,
+                "holdout_run": run_id,
+                "holdout_hash": held_hash,
+            }
+            report["record"] = decide.record(
+                store,
+                run_id=run_id,
+                verdict=verdict,
+                evidence=evidence,
+                mlflow_stack_run=stack_runs.get(candidate.name) if track else None,
+                **common,
+            )
+            report["quality"] = {k: vars(v) for k, v in quality.items()}
+            report["verdict"] = verdict.to_dict()
+            status = verdict.verdict
+        finally:
+            detail = {"verdict": report.get("verdict", {}).get("verdict", "error")}
+            holdout.close_audit(store, opened.audit_id, status, run_id, detail)  # type: ignore[arg-type]
+    return report

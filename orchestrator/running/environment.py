@@ -1,0 +1,148 @@
+"""What a number was measured on: host, device, driver, clocks, versions, code SHA."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from importlib import metadata
+
+import torch
+
+from orchestrate.api.config import REPO_ROOT
+from orchestrate.api.device import sync
+from orchestrate.api.records import EnvironmentInfo
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    """(commit, dirty). ORCHESTRATE_CODE_SHA wins when set: a copied tree (a GPU host's
+    snapshot) may sit inside another checkout whose HEAD is not the code that runs."""
+    if os.environ.get("ORCHESTRATE_CODE_SHA"):
+        return os.environ["ORCHESTRATE_CODE_SHA"], None
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+        return sha, bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("ORCHESTRATE_CODE_SHA"), None
+
+
+def _nvidia_smi() -> dict[str, float | str]:
+    fields = "driver_version,clocks.sm,clocks.mem,power.draw"
+    try:
+        line = (
+            subprocess.run(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    out: dict[str, float | str] = {}
+    for key, raw in zip(("driver", "sm", "mem", "power"), line.split(","), strict=False):
+        raw = raw.strip()
+        try:
+            out[key] = raw if key == "driver" else float(raw)
+        except ValueError:
+            continue  # "[N/A]" on some boards
+    return out
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _median_seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` runs after one warm-up run (allocator,
+    caches, library handles), each bracketed by a device sync."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _device(device: str) -> torch.device:
+    return torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+
+
+def copy_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
+    """Median bandwidth of a large device-local copy, counting bytes read plus written.
+
+    Sized far past the caches (1 GiB on a GPU, 256 MiB in host memory).
+    """
+    dev = _device(device)
+    nbytes = (1 << 30) if dev.type == "cuda" else (1 << 28)
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=dev).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), dev, repeats) / 1e9
+
+
+def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Median throughput of a square matmul (8192 on a GPU, 1024 on a CPU): the compute
+    ceiling a per-step floor is measured against, on random data as models see it."""
+    dev = _device(device)
+    n = 8192 if dev.type == "cuda" else 1024
+    dtype = dtype if dev.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, dev, repeats) / 1e12
+
+
+def capture(
+    device: str, model_config_hash: str, dtype: torch.dtype | None = None
+) -> EnvironmentInfo:
+    """Read once per job, after warm-up, so the clocks are the ones the timing ran at."""
+    cuda = device == "cuda" and torch.cuda.is_available()
+    smi = _nvidia_smi() if cuda else {}
+    sha, dirty = git_state()
+    pkgs = {p: v for p in ("triton", "numpy", "pydantic", "cuda-bindings") if (v := _version(p))}
+    return EnvironmentInfo(
+        hostname=socket.gethostname(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=_version("transformers") or "?",
+        cuda=torch.version.cuda if cuda else None,
+        device_name=torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+        driver=str(smi["driver"]) if "driver" in smi else None,
+        sm_clock_mhz=smi.get("sm"),  # type: ignore[arg-type]
+        mem_clock_mhz=smi.get("mem"),  # type: ignore[arg-type]
+        power_w=smi.get("power"),  # type: ignore[arg-type]
+        gpu_count=torch.cuda.device_count() if cuda else 0,
+        copy_gb_s=copy_bandwidth_gb_s(device),
+        matmul_tflop_s=matmul_tflop_s(device, dtype) if dtype is not None else None,
+        cpu_count=os.cpu_count() or 1,
+        git_sha=sha,
+        git_dirty=dirty,
+        model_config_hash=model_config_hash,
+        packages=pkgs,
+    )

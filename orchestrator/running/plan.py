@@ -1,0 +1,64 @@
+"""Config -> plan: validate every stack up front and produce a serialisable job.
+
+Validation here is static (names, family, params, conflicts, order), so a bad stack fails
+before any model is built or GPU time is spent. Device requirements are checked again by
+the worker, on the device that will run them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrate.api.config import ModelSpec, StackSpec, Workload
+from orchestrate.api.protocol import Protocol
+from orchestrate.api.records import JobSpec
+from orchestrate.api.registry import StackError, build_stack
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.running.environment import git_state
+
+
+def plan_job(
+    model: ModelSpec,
+    workload: Workload,
+    stacks: list[StackSpec],
+    protocol: Protocol,
+    output_root: Path,
+    strict: bool = False,
+    fidelity_steps: int = 32,
+    check_device: bool = True,
+) -> JobSpec:
+    names = [s.name for s in stacks]
+    if len(set(names)) != len(names):
+        raise StackError(f"the same stack is listed twice: {names}")
+    caps = DeviceCaps.probe(model.device) if check_device else None
+    if check_device and model.device == "cuda" and caps and caps.kind != "cuda":
+        raise StackError("--device cuda was asked for, but no CUDA device is visible here")
+    for stack in stacks:
+        if stack.family != model.family:
+            raise StackError(
+                f"stack {stack.name!r} is for {stack.family!r}; model is {model.family!r}"
+            )
+        build_stack(stack, caps, strict=strict)  # raises on anything invalid
+    sha, _ = git_state()
+    job = JobSpec(
+        model=model,
+        workload=workload,
+        stacks=stacks,
+        protocol=protocol,
+        strict=strict,
+        fidelity_steps=fidelity_steps,
+        output_dir="",
+        code_sha=sha,
+    )
+    return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
+
+
+def prefix_stack(spec: StackSpec, n: int) -> StackSpec:
+    """The first `n` techniques of `spec`, as a stack of its own (`NAME-pN`)."""
+    return spec.model_copy(
+        update={
+            "name": f"{spec.name}-p{n}",
+            "description": f"first {n} techniques of {spec.name}",
+            "techniques": spec.techniques[:n],
+        }
+    )

@@ -1,0 +1,289 @@
+"""Execute one job: build the model once, build each stack's engine, warm up, then time all
+stacks interleaved, and write a result record. Needs torch, transformers, pydantic and the
+project only (no database, no MLflow): run it here, in a subprocess, or on a GPU host with
+`orchestrate worker JOB.json`.
+
+Progress goes to stdout as JSON lines ({"event": ...}) for the orchestrator's progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrate.api.config import LengthPolicy
+from orchestrate.api.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
+from orchestrate.api.registry import StackError, build_stack, get_family
+from orchestrate.api.technique import DeviceCaps, Refused
+from orchestrate.running import environment
+from orchestrate.running.audio import integrity, write_wav
+from orchestrate.running.metrics import point_metrics, summarize
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def run_job(job: JobSpec) -> ResultRecord:
+    started = utcnow()
+    family = get_family(job.model.family)
+    out_dir = Path(job.output_dir)
+    emit("status", message=f"building {job.model.preset} on {job.model.device}")
+    model = family.build_model(job.model)
+    caps = DeviceCaps.probe(job.model.device)
+    device = torch.device(job.model.device)
+
+    results: dict[str, StackResult] = {}
+    engines: dict[str, Any] = {}
+    for spec in job.stacks:
+        try:
+            built = build_stack(spec, caps, strict=job.strict)
+        except StackError as exc:
+            results[spec.name] = StackResult(stack=spec, status="refused", error=str(exc))
+            continue
+        t0 = time.perf_counter()
+        try:
+            engines[spec.name] = family.build_engine(model, built)
+        except Refused as exc:
+            results[spec.name] = StackResult(stack=spec, status="refused", error=str(exc))
+            continue
+        except Exception as exc:
+            results[spec.name] = StackResult(stack=spec, status="failed", error=_describe(exc))
+            continue
+        results[spec.name] = StackResult(
+            stack=spec,
+            status="partial" if built.partial else "ok",
+            applied=[t.ref() for t in built.techniques],
+            skipped=built.skipped,
+            exact=built.exact,
+            setup_s=time.perf_counter() - t0,
+        )
+
+    wl = job.workload
+    _warm_up(family, engines, results, wl)
+    if job.fidelity_steps and engines:
+        emit("status", message="teacher-forced fidelity against stock")
+        try:
+            for name, rec in family.fidelity(model, engines, wl, job.fidelity_steps).items():
+                results[name].fidelity = rec
+        except Exception as exc:  # fidelity is a report, not a reason to lose the timings
+            emit("status", message=f"fidelity failed: {_describe(exc)}")
+
+    pairs = list(itertools.product(wl.prompts, wl.seeds))
+    total = len(pairs) * len(engines)
+    done = 0
+    saved: dict[str, int] = dict.fromkeys(engines, 0)
+    for rnd, (prompt, seed) in enumerate(pairs):
+        names = list(engines)
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate: no fixed first
+        for name in order:
+            if results[name].status == "failed":
+                continue
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                syn = family.synthesize(engines[name], prompt.text, seed, wl)
+                ttfa = _time_to_first_audio(family, engines[name], prompt.text, seed, wl)
+            except Exception as exc:
+                results[name].status = "failed"
+                results[name].error = f"{prompt.id}/seed {seed}: {_describe(exc)}"
+                continue
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device)
+                results[name].peak_memory_bytes = max(results[name].peak_memory_bytes or 0, peak)
+            audio_path = None
+            if saved[name] < wl.save_audio:
+                rel = Path(name) / f"{prompt.id}_s{seed}.wav"
+                write_wav(out_dir / rel, syn.audio, syn.sample_rate)
+                audio_path, saved[name] = str(rel), saved[name] + 1
+            results[name].utterances.append(
+                UtteranceRecord(
+                    prompt_id=prompt.id,
+                    seed=seed,
+                    round=rnd,
+                    latency_s=syn.latency_s,
+                    lm_s=syn.lm_s,
+                    codec_s=syn.codec_s,
+                    prefill_s=syn.prefill_s,
+                    prompt_tokens=syn.prompt_tokens,
+                    new_tokens=syn.new_tokens,
+                    frames=syn.frames,
+                    audio_s=syn.audio.size / syn.sample_rate,
+                    stop_reason=syn.stop_reason,  # type: ignore[arg-type]
+                    audio_path=audio_path,
+                    time_to_first_audio_s=ttfa,
+                    forward_passes=syn.forward_passes,
+                    forward_bytes=syn.forward_bytes,
+                    forward_flops=syn.forward_flops,
+                    **integrity(syn.audio),
+                )
+            )
+            done += 1
+            emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
+
+    launches = _launch_metrics(family, engines, results, wl, device)
+    env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
+    for name, res in results.items():
+        res.metrics = summarize(res.utterances)
+        res.metrics.update(point_metrics(res.utterances, wl))
+        if name in engines:
+            res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
+            res.metrics.update(launches.get(name, {}))
+            res.metrics.update(_forward_metrics(res, env))
+    statuses = {r.status for r in results.values()}
+    status = (
+        "finished"
+        if statuses <= {"ok"}
+        else "failed"
+        if statuses <= {"failed", "refused"}
+        else "partial"
+    )
+    return ResultRecord(
+        job=job,
+        status=status,
+        started_at=started,
+        finished_at=utcnow(),
+        environment=env,
+        results=[results[s.name] for s in job.stacks],
+    )
+
+
+def _warm_up(
+    family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any
+) -> None:
+    """Warm-ups are outside the timer: first-call compilation, graph capture, allocator.
+
+    Longest clip first: a sequence length first reached inside the timed rounds costs
+    whichever stack gets there first (new shapes, cache growth), which would bias the
+    comparison toward the others.
+    """
+    longest = sorted(wl.prompts, key=lambda p: -(wl.length_policy.frames_for(p.text) or 0))
+    for name, engine in engines.items():
+        emit("status", message=f"warming up {name} ({wl.warmups}x)")
+        t0 = time.perf_counter()
+        try:
+            for i in range(wl.warmups):
+                family.synthesize(engine, longest[i % len(longest)].text, wl.seeds[0], wl)
+        except Exception as exc:
+            results[name].status = "failed"
+            results[name].error = f"warm-up: {_describe(exc)}"
+        results[name].warmup_s = time.perf_counter() - t0
+
+
+def _floor_metrics(
+    family: Any, engine: Any, res: StackResult, copy_gb_s: float | None
+) -> dict[str, float]:
+    """Achieved bandwidth and fraction of the physical floor, per generated token.
+
+    ms_per_token is LM time over tokens (prefill, sampling and host work included), so the
+    fraction says how far the whole token loop is from moving its bytes at copy speed.
+    """
+    if not res.utterances or "ms_per_token" not in res.metrics:
+        return {}
+    context = statistics.mean(u.prompt_tokens + u.new_tokens / 2 for u in res.utterances)
+    nbytes = family.step_bytes(engine, context)
+    if not nbytes:
+        return {}
+    seconds = res.metrics["ms_per_token"] / 1e3
+    out = {"gb_per_step": nbytes / 1e9, "achieved_gb_s": nbytes / 1e9 / seconds}
+    if copy_gb_s:
+        out["floor_ms_per_token"] = nbytes / (copy_gb_s * 1e9) * 1e3
+        out["fraction_of_floor"] = out["floor_ms_per_token"] / res.metrics["ms_per_token"]
+    return out
+
+
+def _dtype(job: JobSpec) -> torch.dtype:
+    return getattr(torch, job.model.dtype)
+
+
+def _forward_metrics(res: StackResult, env: Any) -> dict[str, float]:
+    """Families that run whole-sequence forwards (OmniVoice's unmasking steps): time per
+    forward against its floor, max(bytes / copy bandwidth, FLOPs / matmul throughput)."""
+    utts = [u for u in res.utterances if u.forward_passes and u.forward_bytes]
+    if not utts:
+        return {}
+    ms = [1e3 * u.lm_s / u.forward_passes for u in utts]  # type: ignore[operator]
+    out = {
+        "forwards_per_utterance": statistics.median(u.forward_passes for u in utts),  # type: ignore[misc]
+        "ms_per_forward": statistics.median(ms),
+        "gb_per_forward": statistics.median(u.forward_bytes for u in utts) / 1e9,  # type: ignore[misc]
+        "tflop_per_forward": statistics.median(u.forward_flops or 0 for u in utts) / 1e12,
+    }
+    if env.copy_gb_s and env.matmul_tflop_s:
+        floors = [
+            1e3 * max(u.forward_bytes / (env.copy_gb_s * 1e9),  # type: ignore[operator]
+                      (u.forward_flops or 0) / (env.matmul_tflop_s * 1e12))
+            for u in utts
+        ]  # fmt: skip
+        out["floor_ms_per_forward"] = statistics.median(floors)
+        out["forward_fraction_of_floor"] = out["floor_ms_per_forward"] / out["ms_per_forward"]
+    return out
+
+
+def _launch_metrics(
+    family: Any,
+    engines: dict[str, Any],
+    results: dict[str, StackResult],
+    wl: Any,
+    device: torch.device,
+) -> dict[str, dict[str, float]]:
+    """kernels_per_step and launches_per_step per stack (GPU only), after the timed rounds
+    so the profiler cannot disturb them. A failed count is reported, not fatal."""
+    count = getattr(family, "launches_per_step", None)
+    if count is None or device.type != "cuda":
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for name, engine in engines.items():
+        if results[name].status == "failed":
+            continue
+        emit("status", message=f"counting kernel launches per step: {name}")
+        try:
+            counts = count(engine, wl.prompts[0].text, wl.seeds[0], wl)
+        except Exception as exc:
+            emit("status", message=f"launch count for {name} failed: {_describe(exc)}")
+            continue
+        if counts:
+            out[name] = counts
+    return out
+
+
+def _time_to_first_audio(family: Any, engine: Any, text: str, seed: int, wl: Any) -> float | None:
+    """A one-frame synthesis through the same code path: prefill, 8 tokens, codec."""
+    if not wl.measure_ttfa:
+        return None
+    one_frame = wl.model_copy(update={"length_policy": LengthPolicy(mode="fixed", frames=1)})
+    return family.synthesize(engine, text, seed, one_frame).latency_s
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return f"OOM: {exc}"
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate-worker", description=__doc__)
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--out", type=Path, help="result JSON path (default: next to the job)")
+    args = parser.parse_args(argv)
+    job = JobSpec.model_validate_json(args.job.read_text())
+    out = args.out or args.job.with_name(f"result-{job.job_id}.json")
+    result = run_job(job)
+    result.write(out)
+    emit("done", result=str(out), status=result.status)
+    return 0 if result.status != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

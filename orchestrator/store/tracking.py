@@ -1,0 +1,314 @@
+"""MLflow logging of a recorded run: one parent run per comparison, one child per stack.
+
+Imported lazily (mlflow is slow to import and the worker side never needs it). Runs are
+logged through an explicit MlflowClient, so nothing here changes mlflow's global state.
+The tracking store is $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite; no server needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from orchestrate.api.records import ResultRecord, StackResult, flatten
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_DB = "mlflow.db"
+PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
+MAX_PARAM_CHARS = 6000  # MLflow refuses longer param values
+BATCH = 100  # MLflow's per-call limit on params and tags
+
+
+def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else a SQLite file in the current directory.
+
+    MLflow 3 already defaults to sqlite:///mlflow.db, but falls back to ./mlruns files when
+    that folder holds old runs; ours is fixed so runs always land in one place.
+    """
+    return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
+
+
+def client() -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def experiment_name(result: ResultRecord) -> str:
+    return f"orchestrate/{result.job.model.family}/{result.job.workload.name}"
+
+
+def log_run(
+    result: ResultRecord,
+    run_id: str,
+    comparisons: dict[str, dict[str, float]] | None = None,
+    result_path: Path | None = None,
+    audio_dir: Path | None = None,
+) -> str:
+    """Log `result` (store run `run_id`) to MLflow; returns the parent MLflow run id.
+
+    Relative utterance audio paths are resolved against `audio_dir` (else the cwd).
+    """
+    mlf = client()
+    experiment_id = _experiment_id(mlf, experiment_name(result))
+    job, env = result.job, result.environment
+    tags = {
+        "run_id": run_id,
+        "job_id": job.job_id,
+        "family": job.model.family,
+        "workload": job.workload.name,
+        "device": job.model.device,
+        "device_name": env.device_name,
+        "host": env.hostname,
+        "status": result.status,
+        "code_sha": job.code_sha or env.git_sha or "unknown",
+        "protocol_hash": job.protocol.content_hash(),
+        "protocol_version": str(job.protocol.version),
+        "baseline": job.baseline.name,
+        "stacks": ",".join(s.name for s in job.stacks),
+    }
+    if job.code_sha or env.git_sha:
+        tags["mlflow.source.git.commit"] = job.code_sha or env.git_sha or ""
+    parent = mlf.create_run(experiment_id, run_name=f"run-{run_id[:8]}", tags=tags)
+    parent_id = parent.info.run_id
+    children: list[str] = []
+    try:
+        _log_batch(mlf, parent_id, params=shared_params(result))
+        if result.error:
+            mlf.set_tag(parent_id, "error", result.error[:5000])
+        if result_path is not None and Path(result_path).exists():
+            mlf.log_artifact(parent_id, str(result_path))
+        for position, sr in enumerate(result.results):
+            extra = (comparisons or {}).get(sr.stack.name, {})
+            child = mlf.create_run(
+                experiment_id,
+                run_name=sr.stack.name,
+                tags={PARENT_TAG: parent_id, **_stack_tags(sr, position, run_id)},
+            )
+            children.append(child.info.run_id)
+            _log_child(mlf, child.info.run_id, result, sr, extra, audio_dir)
+            failed = sr.status in ("failed", "refused")
+            mlf.set_terminated(child.info.run_id, "FAILED" if failed else "FINISHED")
+    except BaseException:
+        for mlflow_id in [*children, parent_id]:
+            with suppress(Exception):  # keep the original error, not a follow-up one
+                mlf.set_terminated(mlflow_id, "FAILED")
+        raise
+    mlf.set_terminated(parent_id, "FAILED" if result.status == "failed" else "FINISHED")
+    return parent_id
+
+
+def shared_params(result: ResultRecord) -> dict[str, str]:
+    """Model and workload settings every stack of the run shares."""
+    model, workload = result.job.model, result.job.workload
+    params = {
+        "model.family": model.family,
+        "model.preset": model.preset,
+        "model.dtype": model.dtype,
+        "model.device": model.device,
+        "model.weights": model.weights or "random",
+        "model.init_seed": model.init_seed,
+        "workload.name": workload.name,
+        "workload.prompts": len(workload.prompts),
+        "workload.seeds": workload.seeds,
+        "workload.voice": workload.voice,
+        "workload.warmups": workload.warmups,
+        **flatten(workload.sampling.model_dump(), "workload.sampling"),
+        **flatten(workload.length_policy.model_dump(), "workload.length_policy"),
+        "protocol.hash": result.job.protocol.content_hash(),
+        "strict": result.job.strict,
+    }
+    return {k: _param_value(v) for k, v in params.items()}
+
+
+def technique_params(sr: StackResult) -> dict[str, str]:
+    """`technique.<i>.name` for the order, `technique.<name>.<param>` for settings."""
+    params: dict[str, Any] = {
+        "stack.name": sr.stack.name,
+        "stack.techniques": len(sr.stack.techniques),
+    }
+    for i, tech in enumerate(sr.stack.techniques):
+        params[f"technique.{i}.name"] = tech.name
+        params.update(flatten(tech.params, f"technique.{tech.name}"))
+    return {k: _param_value(v) for k, v in params.items()}
+
+
+def _log_child(
+    mlf: MlflowClient,
+    child_id: str,
+    result: ResultRecord,
+    sr: StackResult,
+    extra: dict[str, float],
+    audio_dir: Path | None,
+) -> None:
+    metrics = {**_stack_measurements(sr), **sr.metrics, **extra}
+    _log_batch(
+        mlf, child_id, params={**shared_params(result), **technique_params(sr)}, metrics=metrics
+    )
+    for path in _audio_files(sr, result.job.workload.save_audio, audio_dir):
+        mlf.log_artifact(child_id, str(path), artifact_path="audio")
+
+
+def _stack_tags(sr: StackResult, position: int, run_id: str) -> dict[str, str]:
+    tags = {
+        "run_id": run_id,
+        "stack": sr.stack.name,
+        "stack_hash": sr.stack.content_hash(),
+        "position": str(position),
+        "baseline": str(position == 0).lower(),
+        "status": sr.status,
+        "exact": str(sr.exact).lower(),
+        "exactness": "exact" if sr.exact else "approximate",
+        "applied": ", ".join(sr.applied) or "none",
+        "skipped": "; ".join(f"{k}: {v}" for k, v in sr.skipped.items()) or "none",
+    }
+    if sr.error:
+        tags["error"] = sr.error[:5000]
+    return tags
+
+
+def _stack_measurements(sr: StackResult) -> dict[str, float]:
+    """Setup cost, memory and fidelity (the worker's own metrics take precedence)."""
+    out: dict[str, float] = {"setup_s": sr.setup_s, "warmup_s": sr.warmup_s}
+    if sr.peak_memory_bytes is not None:
+        out["peak_memory_bytes"] = float(sr.peak_memory_bytes)
+    if sr.fidelity is not None:
+        for key, value in sr.fidelity.model_dump().items():
+            if value is not None:  # noise floors exist for half precision only
+                out[f"fidelity.{key}"] = float(value)
+    return out
+
+
+def _audio_files(sr: StackResult, limit: int, audio_dir: Path | None) -> Iterator[Path]:
+    """Up to `limit` existing WAVs of the stack (missing files are skipped, not fatal)."""
+    found = 0
+    for utt in sr.utterances:
+        if found >= limit:
+            return
+        if not utt.audio_path:
+            continue
+        path = Path(utt.audio_path)
+        if not path.is_absolute() and audio_dir is not None:
+            path = Path(audio_dir) / path
+        if path.is_file():
+            found += 1
+            yield path
+
+
+def _experiment_id(mlf: MlflowClient, name: str) -> str:
+    found = mlf.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return mlf.create_experiment(name)
+    except MlflowException:  # created by a concurrent orchestrator meanwhile
+        found = mlf.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def _log_batch(
+    mlf: MlflowClient,
+    run_id: str,
+    params: dict[str, str] | None = None,
+    metrics: dict[str, float] | None = None,
+) -> None:
+    now = int(time.time() * 1000)
+    param_list = [Param(k, v) for k, v in (params or {}).items()]
+    metric_list = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
+    for chunk in _chunks(param_list, BATCH):
+        mlf.log_batch(run_id, params=chunk)
+    for chunk in _chunks(metric_list, 10 * BATCH):
+        mlf.log_batch(run_id, metrics=chunk)
+
+
+def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
+    return (items[i : i + size] for i in range(0, len(items), size))
+
+
+def _param_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text[:MAX_PARAM_CHARS]
+
+
+# ------------------------------------------------------------------------ reading back
+
+
+def stack_run_ids(parent_id: str) -> dict[str, str]:
+    """Stack name -> child MLflow run id, for a parent logged by log_run."""
+    mlf = client()
+    parent = mlf.get_run(parent_id)
+    children = mlf.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'"
+    )
+    return {c.data.tags["stack"]: c.info.run_id for c in children}
+
+
+def read_back(mlflow_run_id: str) -> dict[str, Any]:
+    """A logged run as plain data: params, metrics, tags, artifacts, and its children's."""
+    mlf = client()
+    out = _run_data(mlf, mlflow_run_id)
+    out["experiment"] = mlf.get_experiment(out["experiment_id"]).name
+    out["children"] = {
+        name: _run_data(mlf, child) for name, child in stack_run_ids(mlflow_run_id).items()
+    }
+    return out
+
+
+def _run_data(mlf: MlflowClient, run_id: str) -> dict[str, Any]:
+    run = mlf.get_run(run_id)
+    return {
+        "run_id": run_id,
+        "name": run.info.run_name,
+        "status": run.info.status,
+        "experiment_id": run.info.experiment_id,
+        "params": dict(run.data.params),
+        "metrics": dict(run.data.metrics),
+        "tags": dict(run.data.tags),
+        "artifacts": sorted(_artifacts(mlf, run_id, None)),
+    }
+
+
+def _artifacts(mlf: MlflowClient, run_id: str, path: str | None) -> Iterator[str]:
+    for info in mlf.list_artifacts(run_id, path):
+        if info.is_dir:
+            yield from _artifacts(mlf, run_id, info.path)
+        else:
+            yield info.path
+
+
+# --------------------------------------------------------------------------- champions
+
+
+def mark_champion(name: str, stack_run_id: str, tags: dict[str, str]) -> str:
+    """Register `stack_run_id` (a stack's MLflow run) as a new version of registered model
+    `name` and move the `champion` alias to it; tag the run. Returns models:/name@champion.
+
+    The registry holds no model files here: a version points at the run whose params name
+    the stack, which is what a deployment needs to rebuild it.
+    """
+    mlf = client()
+    with suppress(MlflowException):  # exists already: one registered model per key
+        mlf.create_registered_model(
+            name, description="Accepted stacks (orchestrate gate); alias `champion` = current."
+        )
+    version = mlf.create_model_version(
+        name, source=f"runs:/{stack_run_id}", run_id=stack_run_id, tags=tags
+    )
+    mlf.set_registered_model_alias(name, "champion", version.version)
+    mlf.set_tag(stack_run_id, "champion", "true")
+    return f"models:/{name}@champion"
+
+
+def champion_version(name: str) -> dict[str, Any]:
+    """The version the `champion` alias points at (run id, tags), for checks and reports."""
+    mv = client().get_model_version_by_alias(name, "champion")
+    return {"version": mv.version, "run_id": mv.run_id, "tags": dict(mv.tags)}
