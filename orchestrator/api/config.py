@@ -247,9 +247,12 @@ def load_workload(name_or_path: str) -> Workload:
 def load_model_spec(
     preset_or_path: str, device: str | None = None, dtype: str | None = None
 ) -> ModelSpec:
-    """A preset name (configs/models/NAME.yaml) or a local weights folder."""
+    """A preset name (configs/models/NAME.yaml), a model YAML file (a third-party family's
+    presets live with it), or a local weights folder."""
     models_dir = CONFIG_DIR / "models"
     preset_file = models_dir / f"{preset_or_path}.yaml"
+    if Path(preset_or_path).suffix in {".yaml", ".yml"} and Path(preset_or_path).is_file():
+        preset_file = Path(preset_or_path)
     if preset_file.exists():
         spec = load_model(ModelSpec, preset_file)
     elif Path(preset_or_path).is_dir():
