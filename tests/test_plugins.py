@@ -88,7 +88,8 @@ def test_a_broken_plugin_is_listed_and_the_rest_still_run(tmp_path):
     listed = cli(["techniques", "--json"], tmp_path, site)
     assert listed.returncode == 0, listed.stderr
     rows = {r["name"]: r for r in json.loads(listed.stdout)}
-    assert rows["crashes"]["broken"] and "optional dependency is missing" in rows["crashes"]["error"]
+    assert rows["crashes"]["broken"]
+    assert "optional dependency is missing" in rows["crashes"]["error"]
     assert rows["bad_slot"]["broken"]
     assert "'vocoder'" in rows["bad_slot"]["error"] and "'rumik'" in rows["bad_slot"]["error"]
     for builtin in ("static_kv_cache", "packed_projections", "audio_head", "graph_loop"):

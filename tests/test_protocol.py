@@ -116,13 +116,13 @@ def test_new_version_is_written_and_the_frozen_one_is_never_overwritten(tmp_path
 
 def test_a_changed_protocol_under_an_old_version_number_is_refused(store: Store) -> None:
     v1 = Protocol()
-    proto.register(store, v1)
-    proto.register(store, v1)  # idempotent
+    store.register_protocol(v1)
+    store.register_protocol(v1)  # idempotent
     edited = v1.model_copy(update={"quality": QualitySpec(gates=[Gate(metric="wer", max_value=1)])})
     with pytest.raises(ProtocolError, match="needs a new version"):
-        proto.register(store, edited)
-    proto.register(store, edited.model_copy(update={"version": 2}))
-    assert [r["version"] for r in proto.recorded(store)] == [1, 2]
+        store.register_protocol(edited)
+    store.register_protocol(edited.model_copy(update={"version": 2}))
+    assert [r["version"] for r in store.recorded_protocols()] == [1, 2]
     with pytest.raises(ProtocolError, match="different protocols"):
         proto.require_same({"noise": "aaa", "holdout": "bbb"})
     assert proto.require_same({"a": "x", "b": "x"}) == "x"

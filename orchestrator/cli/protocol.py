@@ -93,7 +93,7 @@ def noise(
         fail(str(exc))
     store = open_store(db)
     try:
-        proto.register(store, current)
+        store.register_protocol(current)
         analysis = noise_mod.measure(
             store,
             stack=base,
@@ -108,7 +108,7 @@ def noise(
         new = noise_mod.propose(current, analysis)
         target = out or _protocol_file(protocol)
         proto.write(new, target)
-        proto.register(store, new)
+        store.register_protocol(new)
     except (noise_mod.NoiseError, proto.ProtocolError, StackError, ScoringError) as exc:
         fail(str(exc), 1)
     summary = {
@@ -190,7 +190,7 @@ def score(
             sheet.write(target)
             return _report_sheet(sheet, as_json, f"wrote {target}")
         store = open_store(db)
-        proto.register(store, current)
+        store.register_protocol(current)
         if ingest is not None:
             sheet = scoring_run.ScoreSheet.model_validate_json(ingest.read_text())
             run_id = next(

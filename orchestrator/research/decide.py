@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrate.api.config import ModelSpec, StackSpec
 from orchestrate.api.protocol import Protocol, ProtocolError, QualitySpec, SpeedRule
-from orchestrate.api.records import EnvironmentInfo, StackResult, UtteranceRecord, utcnow
+from orchestrate.api.records import EnvironmentInfo, StackResult, UtteranceRecord
 
 if TYPE_CHECKING:
     from orchestrate.research.scoring_run import StackQuality
@@ -270,24 +270,8 @@ def model_key(spec: ModelSpec) -> str:
 def current_champion(
     store: Store, family: str, model: str, workload: str, hardware: str
 ) -> dict[str, Any] | None:
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Champion, columns
-
-    query = (
-        select(Champion)
-        .where(
-            Champion.family == family,
-            Champion.model == model,
-            Champion.workload_name == workload,
-            Champion.hardware == hardware,
-        )
-        .order_by(Champion.created_at.desc(), Champion.id.desc())
-        .limit(1)
-    )
-    with store._read() as s:
-        row = s.scalar(query)
-        return None if row is None else columns(row)
+    """The champion for this family, model, workload and hardware (its row), or None."""
+    return store.current_champion(family, model, workload, hardware)
 
 
 def champion_spec(champion: dict[str, Any]) -> StackSpec:
@@ -295,12 +279,8 @@ def champion_spec(champion: dict[str, Any]) -> StackSpec:
 
 
 def list_champions(store: Store) -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Champion, columns
-
-    with store._read() as s:
-        return [columns(r) for r in s.scalars(select(Champion).order_by(Champion.created_at))]
+    """Every champion, oldest first."""
+    return store.list_champions()
 
 
 def registry_name(family: str, model: str, workload: str, hardware: str) -> str:
@@ -325,48 +305,24 @@ def record(
 ) -> dict[str, Any]:
     """Store a verdict: a decisions row, failure-ledger rows for a retain, and for an
     accept a champions row (plus an MLflow registry alias when the run was tracked)."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Champion, Decision, Stack, StackResultRow
-
-    out: dict[str, Any] = {"decision_id": None, "champion": None, "mlflow_model": None}
-    with store._write() as s:
-        sr_id = s.scalar(
-            select(StackResultRow.id)
-            .join(Stack, StackResultRow.stack_id == Stack.id)
-            .where(StackResultRow.run_id == run_id, Stack.spec_hash == stack.content_hash())
-        )
-        if sr_id is not None:  # a worker that died outright left no stack result to decide on
-            row = Decision(
-                created_at=utcnow(),
-                stack_result_id=sr_id,
-                family=family,
-                workload_name=workload,
-                hardware=hardware,
-                verdict=verdict.verdict,
-                reasons_json=json.dumps({**verdict.to_dict(), **evidence}, default=str),
-                protocol_hash=protocol.content_hash(),
-            )
-            s.add(row)
-            s.flush()
-            out["decision_id"] = row.id
-        if verdict.verdict == "accept":
-            champ = Champion(
-                created_at=utcnow(),
-                family=family,
-                model=model,
-                workload_name=workload,
-                hardware=hardware,
-                stack_name=stack.name,
-                stack_hash=stack.content_hash(),
-                spec_json=stack.model_dump_json(),
-                decision_id=out["decision_id"],
-                protocol_hash=protocol.content_hash(),
-                speedup=speedup,
-            )
-            s.add(champ)
-            s.flush()
-            out["champion"] = champ.id
+    # One transaction: the decision and, for an accept, the champion it crowns.
+    decision_id, champion_id = store.record_decision(
+        run_id=run_id,
+        stack=stack,
+        verdict=verdict.verdict,
+        reasons={**verdict.to_dict(), **evidence},
+        protocol_hash=protocol.content_hash(),
+        family=family,
+        model=model,
+        workload=workload,
+        hardware=hardware,
+        speedup=speedup,
+    )
+    out: dict[str, Any] = {
+        "decision_id": decision_id,  # None: a worker that died outright left nothing to judge
+        "champion": champion_id,
+        "mlflow_model": None,
+    }
     for cause, detail in verdict.causes.items():
         store.record_failure(stack.name, cause, detail, run_id)
     if verdict.verdict == "accept" and mlflow_stack_run:
@@ -376,39 +332,10 @@ def record(
         out["mlflow_model"] = tracking.mark_champion(
             name, mlflow_stack_run, {"stack": stack.name, "protocol": protocol.content_hash()}
         )
-        with store._write() as s:
-            s.get_one(Champion, out["champion"]).mlflow_model = out["mlflow_model"]
+        store.set_champion_mlflow_model(out["champion"], out["mlflow_model"])
     return out
 
 
 def list_decisions(store: Store, workload: str | None = None) -> list[dict[str, Any]]:
     """Verdicts, oldest first, with the stack they judged and the run it was measured in."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Decision, Stack, StackResultRow
-
-    query = (
-        select(Decision, Stack.name, Stack.spec_hash, StackResultRow.run_id)
-        .join(StackResultRow, Decision.stack_result_id == StackResultRow.id)
-        .join(Stack, StackResultRow.stack_id == Stack.id)
-        .order_by(Decision.created_at, Decision.id)
-    )
-    if workload is not None:
-        query = query.where(Decision.workload_name == workload)
-    with store._read() as s:
-        return [
-            {
-                "id": d.id,
-                "created_at": d.created_at,
-                "verdict": d.verdict,
-                "stack": name,
-                "spec_hash": spec_hash,
-                "run_id": run_id,
-                "family": d.family,
-                "workload_name": d.workload_name,
-                "hardware": d.hardware,
-                "protocol_hash": d.protocol_hash,
-                "reasons": json.loads(d.reasons_json),
-            }
-            for d, name, spec_hash, run_id in s.execute(query)
-        ]
+    return store.list_decisions(workload)

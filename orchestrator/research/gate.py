@@ -35,7 +35,7 @@ def run_gate(
     from orchestrate.running.runner import execute
 
     proto.require_gates(protocol)
-    proto.register(store, protocol)
+    store.register_protocol(protocol)
     on_event = on_event or (lambda e: None)
     stock = load_stack("stock")
     if not candidate.techniques or candidate.content_hash() == stock.content_hash():

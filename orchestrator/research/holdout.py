@@ -192,50 +192,32 @@ def open_audit(
 ) -> Opened:
     """Record that `stack` is about to see the holdout; flag it if it (or an earlier tuning
     of it) has seen this holdout before."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import HoldoutAudit
-
     _check(key)
     spec_hash, line = stack.content_hash(), lineage(stack)
-    with store._write() as s:
-        prior = s.scalars(
-            select(HoldoutAudit)
-            .where(
-                HoldoutAudit.workload_name == workload_name,
-                HoldoutAudit.holdout_hash == holdout_hash,
-            )
-            .order_by(HoldoutAudit.opened_at)
-        ).all()
-        flags = _flags(prior, stack.name, spec_hash, line)
-        row = HoldoutAudit(
-            opened_at=utcnow(),
-            workload_name=workload_name,
-            holdout_hash=holdout_hash,
-            stack_name=stack.name,
-            stack_hash=spec_hash,
-            lineage=line,
-            protocol_hash=protocol_hash,
-            status="opened",
-            flagged=bool(flags),
-            flags_json=json.dumps(flags),
-            detail_json=json.dumps({"holder": key.holder}),
-        )
-        s.add(row)
-        s.flush()
-        return Opened(row.id, flags)
+    audit_id, flags = store.open_holdout_audit(
+        workload_name=workload_name,
+        holdout_hash=holdout_hash,
+        stack_name=stack.name,
+        stack_hash=spec_hash,
+        lineage=line,
+        protocol_hash=protocol_hash,
+        holder=key.holder,
+        flag=lambda prior: _flags(prior, stack.name, spec_hash, line),
+    )
+    return Opened(audit_id, flags)
 
 
-def _flags(prior: list[Any], name: str, spec_hash: str, line: str) -> list[str]:
+def _flags(prior: list[dict[str, Any]], name: str, spec_hash: str, line: str) -> list[str]:
+    """Flags against a stack (name, spec hash, lineage) from earlier openings (audit rows)."""
     flags = []
     for p in prior:
-        when = f"{p.opened_at:%Y-%m-%d %H:%M} ({p.status})"
-        if p.stack_hash == spec_hash:
+        when = f"{p['opened_at']:%Y-%m-%d %H:%M} ({p['status']})"
+        if p["stack_hash"] == spec_hash:
             flags.append(f"re-submitted: this exact stack already saw this holdout at {when}")
-        elif p.stack_name == name or p.lineage == line:
+        elif p["stack_name"] == name or p["lineage"] == line:
             flags.append(
-                f"re-tuned after seeing holdout: {p.stack_name} ({p.stack_hash}, techniques "
-                f"{p.lineage}) saw this holdout at {when}"
+                f"re-tuned after seeing holdout: {p['stack_name']} ({p['stack_hash']}, "
+                f"techniques {p['lineage']}) saw this holdout at {when}"
             )
     return list(dict.fromkeys(flags))
 
@@ -247,26 +229,10 @@ def close_audit(
     run_id: str | None,
     detail: dict[str, Any],
 ) -> None:
-    from orchestrate.db.models import HoldoutAudit
-
-    with store._write() as s:
-        row = s.get_one(HoldoutAudit, audit_id)
-        row.status, row.run_id, row.closed_at = status, run_id, utcnow()
-        row.detail_json = json.dumps({**json.loads(row.detail_json), **detail}, default=str)
+    """Close an opening with the gate's verdict (or 'error') and the run that saw it."""
+    store.close_holdout_audit(audit_id, status, run_id, detail)
 
 
 def list_audits(store: Store, workload_name: str | None = None) -> list[dict[str, Any]]:
     """Holdout openings, oldest first."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import HoldoutAudit, columns
-
-    query = select(HoldoutAudit).order_by(HoldoutAudit.opened_at, HoldoutAudit.id)
-    if workload_name is not None:
-        query = query.where(HoldoutAudit.workload_name == workload_name)
-    with store._read() as s:
-        rows = [columns(r) for r in s.scalars(query)]
-    for r in rows:
-        r["flags"] = json.loads(r.pop("flags_json"))
-        r["detail"] = json.loads(r.pop("detail_json"))
-    return rows
+    return store.list_holdout_audits(workload_name)

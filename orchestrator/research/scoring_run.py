@@ -14,7 +14,6 @@ gets a real, non-trivial SIM too and candidate - stock deltas are like for like.
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 from collections import defaultdict
@@ -226,69 +225,14 @@ def _score_one(scorer: Scorer, it: _Item, cache: dict[Path, Any]) -> ScoreRow:
 # ----------------------------------------------------------------------------- storage
 
 
-def _utterance_ids(s: Any, run_id: str) -> dict[tuple[str, int], int]:
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Stack, StackResultRow, Utterance
-
-    query = (
-        select(Stack.name, Utterance.position, Utterance.id)
-        .join(StackResultRow, StackResultRow.stack_id == Stack.id)
-        .join(Utterance, Utterance.stack_result_id == StackResultRow.id)
-        .where(StackResultRow.run_id == run_id)
-    )
-    return {(name, pos): uid for name, pos, uid in s.execute(query)}
-
-
 def store_sheet(store: Store, run_id: str, sheet: ScoreSheet) -> int:
     """Add a sheet's rows to run `run_id`; rows already stored are left as they are.
     Returns the number of rows added."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import Run, ScoreEntry
-
-    with store._write() as s:
-        run = s.get(Run, run_id)
-        if run is None or run.job_id != sheet.job_id:
-            raise ValueError(f"score sheet is for job {sheet.job_id}, not run {run_id}")
-        ids = _utterance_ids(s, run_id)
-        keys = select(
-            ScoreEntry.utterance_id,
-            ScoreEntry.scorer,
-            ScoreEntry.scorer_version,
-            ScoreEntry.weights_id,
-        ).where(ScoreEntry.utterance_id.in_(ids.values()))
-        existing = {tuple(row) for row in s.execute(keys)}
-        added = 0
-        for r in sheet.rows:
-            uid = ids.get((r.stack, r.utterance))
-            if uid is None:
-                raise ValueError(f"run {run_id} has no utterance {r.utterance} of {r.stack}")
-            if (uid, r.scorer, r.scorer_version, r.weights_id) in existing:
-                continue
-            existing.add((uid, r.scorer, r.scorer_version, r.weights_id))
-            s.add(_entry(uid, r, sheet))
-            added += 1
-        return added
-
-
-def _entry(uid: int, r: ScoreRow, sheet: ScoreSheet) -> Any:
-    from orchestrate.db.models import ScoreEntry
-
-    return ScoreEntry(
+    return store.add_scores(
+        run_id,
+        sheet.job_id,
+        [r.model_dump() for r in sheet.rows],
         created_at=sheet.created_at,
-        utterance_id=uid,
-        scorer=r.scorer,
-        scorer_version=r.scorer_version,
-        kind=r.kind,
-        reference=r.reference,
-        weights_id=r.weights_id,
-        status=r.status,
-        values_json=json.dumps(r.values),
-        details_json=json.dumps(r.details),
-        resample_json=None if r.resample is None else json.dumps(r.resample),
-        packages_json=json.dumps(r.packages),
-        error=r.error,
         protocol_hash=sheet.protocol_hash,
         host=sheet.host,
     )
@@ -296,40 +240,7 @@ def _entry(uid: int, r: ScoreRow, sheet: ScoreSheet) -> Any:
 
 def load_rows(store: Store, run_id: str) -> list[ScoreRow]:
     """Every stored score of a run's recordings."""
-    from sqlalchemy import select
-
-    from orchestrate.db.models import ScoreEntry, Stack, StackResultRow, Utterance
-
-    query = (
-        select(ScoreEntry, Stack.name, Utterance)
-        .join(Utterance, ScoreEntry.utterance_id == Utterance.id)
-        .join(StackResultRow, Utterance.stack_result_id == StackResultRow.id)
-        .join(Stack, StackResultRow.stack_id == Stack.id)
-        .where(StackResultRow.run_id == run_id)
-        .order_by(StackResultRow.position, Utterance.position, ScoreEntry.scorer)
-    )
-    with store._read() as s:
-        return [
-            ScoreRow(
-                stack=name,
-                utterance=u.position,
-                prompt_id=u.prompt_id,
-                seed=u.seed,
-                round=u.round,
-                scorer=e.scorer,
-                scorer_version=e.scorer_version,
-                kind=e.kind,
-                reference=e.reference,
-                weights_id=e.weights_id,
-                status=e.status,
-                values=json.loads(e.values_json),
-                details=json.loads(e.details_json),
-                resample=None if e.resample_json is None else json.loads(e.resample_json),
-                packages=json.loads(e.packages_json),
-                error=e.error,
-            )
-            for e, name, u in s.execute(query)
-        ]
+    return [ScoreRow.model_validate(r) for r in store.list_scores(run_id)]
 
 
 def score_run(

@@ -1,84 +1,43 @@
-"""The orchestrator's record of runs: what was measured, with what result, and what failed.
+"""The orchestrator's database, as one `Store`: the only place above `orchestrate.db` that
+speaks SQL. Every query is a named method returning plain data; callers never hold a
+session.
 
-A run row is written RUNNING before a job starts (with the owning pid, so a killed
-orchestrator is noticed: see reconcile_stale) and completed from the worker's ResultRecord
-in one transaction. Everything returned is plain data; callers never hold a session.
+The methods live by concept in sibling modules, composed here:
+    runs.py        run lifecycle (begin, finish, fail, ingest, reconcile), listing, results
+    decisions.py   decisions, champions, the failures ledger
+    scores.py      scores of a run's recordings
+    holdout.py     the holdout audit
+    protocols.py   protocol versions
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Any, Literal
 
-from sqlalchemy import Engine, func, select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import func, select
 
 from orchestrate import db
-from orchestrate.api.protocol import Protocol, ProtocolError
-from orchestrate.api.records import (
-    JobSpec,
-    ResultRecord,
-    utcnow,
-)
-from orchestrate.api.registry import job_identity
-from orchestrate.db.models import (
-    Base,
-    Failure,
-    ProtocolRow,
-    Run,
-    StackResultRow,
-    columns,
-)
-from orchestrate.store.rows import (
-    Comparisons,
-    classify_failure,
-    failure_row,
-    maybe_json,
-    model_label,
-    result_record,
-    run_fields,
-    stack_fields,
-    write_result,
-)
+from orchestrate.db.models import Base
+from orchestrate.store.decisions import DecisionsMixin
+from orchestrate.store.errors import AmbiguousRun, DuplicateRun, RunNotFound, StoreError
+from orchestrate.store.holdout import HoldoutMixin
+from orchestrate.store.protocols import ProtocolsMixin
+from orchestrate.store.runs import RunsMixin
+from orchestrate.store.scores import ScoresMixin
 
-# A process that started this long after its run row cannot be the one that wrote it: the
-# pid was reused. Generous because boot time is only known to the second.
-PID_REUSE_TOLERANCE = timedelta(seconds=5)
+# Callers import the errors from here, where they imported them before the split.
+__all__ = ["AmbiguousRun", "DuplicateRun", "RunNotFound", "Store", "StoreError"]
 
 
-class StoreError(Exception):
-    """A request the store cannot honour; the message says why."""
-
-
-class RunNotFound(StoreError, LookupError):
-    pass
-
-
-class AmbiguousRun(StoreError, LookupError):
-    pass
-
-
-class DuplicateRun(StoreError):
-    pass
-
-
-class Store:
+class Store(RunsMixin, DecisionsMixin, ScoresMixin, HoldoutMixin, ProtocolsMixin):
     """The run database at `url` (default: $ORCHESTRATE_DB_URL, else ./orchestrate.db)."""
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or db.default_url()
         self.hostname = socket.gethostname()
-        self._engine: Engine = db.make_engine(self.url)
-        self._writer: Engine = db.writer(self._engine)
-        with self._writer.begin() as conn:
+        self._engine = db.make_engine(self.url)
+        self._writer = db.writer(self._engine)
+        with self._writer.begin() as conn:  # migrate to the newest schema on every open
             db.upgrade(conn)
         self.reconcile_stale()
 
@@ -91,350 +50,7 @@ class Store:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    @contextmanager
-    def _write(self) -> Iterator[Session]:
-        with Session(self._writer, expire_on_commit=False) as session, session.begin():
-            yield session
-
-    @contextmanager
-    def _read(self) -> Iterator[Session]:
-        with Session(self._engine) as session:
-            yield session
-
-    # ------------------------------------------------------------------------- writes
-
-    def begin_run(self, job: JobSpec, identity: str) -> str:
-        """Record that this process starts measuring `job`; returns the new run id."""
-        try:
-            with self._write() as s:
-                self._refuse_known_job(s, job.job_id)
-                run = self._new_run(job, identity, status="RUNNING", pid=os.getpid())
-                s.add(run)
-        except IntegrityError as exc:  # a concurrent writer (databases without IMMEDIATE)
-            raise DuplicateRun(f"job {job.job_id} is already recorded") from exc
-        return run.id
-
-    def finish_run(
-        self,
-        run_id: str,
-        result: ResultRecord,
-        comparisons: Comparisons | None = None,
-        result_path: str | None = None,
-        mlflow_run_id: str | None = None,
-    ) -> None:
-        """Record `result` as the outcome of run `run_id`, all or nothing.
-
-        If writing fails, nothing of the result is kept, the run is marked FAILED with the
-        error (in a second transaction) and the error is raised again.
-        """
-        try:
-            with self._write() as s:
-                run = s.get(Run, run_id)
-                if run is None:
-                    raise RunNotFound(f"no run {run_id!r}")
-                if _has_result(run):
-                    raise DuplicateRun(f"run {run_id} already has a result ({run.status})")
-                if result.job.job_id != run.job_id:
-                    raise ValueError(
-                        f"result is for job {result.job.job_id}, run {run_id} is job {run.job_id}"
-                    )
-                write_result(s, run, result, comparisons, result_path, mlflow_run_id)
-        except (RunNotFound, DuplicateRun):
-            raise  # nothing to mark: no such run, or it already holds a result
-        except Exception as exc:
-            self.fail_run(run_id, "FAILED", f"recording the result failed: {exc!r}")
-            raise
-
-    def fail_run(self, run_id: str, status: Literal["FAILED", "INTERRUPTED"], error: str) -> None:
-        """Mark a run FAILED or INTERRUPTED and add a failures-ledger entry.
-
-        A run that already holds a recorded result keeps its status (a later failure, e.g.
-        of MLflow logging, does not undo a measurement); the ledger entry is still added.
-        """
-        if status not in ("FAILED", "INTERRUPTED"):
-            raise ValueError(f"fail_run status must be FAILED or INTERRUPTED, not {status!r}")
-        with self._write() as s:
-            run = s.get(Run, run_id)
-            if run is None:
-                raise RunNotFound(f"no run {run_id!r}")
-            if not _has_result(run):
-                run.status, run.error, run.ended_at = status, error, utcnow()
-            cause = "interrupted" if status == "INTERRUPTED" else classify_failure(error)
-            s.add(failure_row(run_id, None, cause, error))
-
-    def record_failure(
-        self, stack_name: str | None, cause: str, detail: str, run_id: str | None = None
-    ) -> None:
-        """Add a failures-ledger entry (e.g. 'slower' or 'gate' from the accept protocol)."""
-        with self._write() as s:
-            s.add(failure_row(run_id, stack_name, cause, detail))
-
-    def ingest(
-        self,
-        result: ResultRecord,
-        comparisons: Comparisons | None = None,
-        result_path: str | None = None,
-        mlflow_run_id: str | None = None,
-        identity: str | None = None,
-    ) -> str:
-        """Record a result produced elsewhere (e.g. on a GPU host); returns the run id.
-
-        A job is recorded once: a second ingest of it is refused. A run of the job that
-        never got its result (interrupted, or failed while recording) is completed instead.
-        """
-        job = result.job
-        self.reconcile_stale()  # an owner that died since this store opened frees its run
-        with self._write() as s:
-            run = s.scalar(select(Run).where(Run.job_id == job.job_id))
-            if run is None:
-                run = self._new_run(job, identity or job_identity(job), status="RUNNING", pid=None)
-                s.add(run)
-            elif _has_result(run):
-                raise DuplicateRun(
-                    f"job {job.job_id} is already recorded as run {run.id} ({run.status}); "
-                    "a job is ingested once"
-                )
-            elif run.status == "RUNNING":
-                raise DuplicateRun(
-                    f"job {job.job_id} is being run as {run.id} by pid {run.pid} on {run.host}"
-                )
-            write_result(s, run, result, comparisons, result_path, mlflow_run_id)
-            return run.id
-
-    def set_mlflow_run_ids(
-        self, run_id: str, parent_id: str, stack_run_ids: dict[str, str] | None = None
-    ) -> None:
-        """Link a run (and its stacks, by name) to the MLflow runs it was logged as."""
-        with self._write() as s:
-            run = s.get(Run, run_id)
-            if run is None:
-                raise RunNotFound(f"no run {run_id!r}")
-            run.mlflow_run_id = parent_id
-            for sr in run.stack_results:
-                sr.mlflow_run_id = (stack_run_ids or {}).get(sr.stack.name, sr.mlflow_run_id)
-
-    def reconcile_stale(self) -> list[str]:
-        """Mark RUNNING runs of dead orchestrator processes on this host INTERRUPTED.
-
-        Returns the ids marked. Runs owned by other hosts are left alone (their processes
-        cannot be seen from here).
-        """
-        query = select(Run.id, Run.pid, Run.started_at).where(
-            Run.status == "RUNNING", Run.host == self.hostname
-        )
-        with self._read() as s:
-            stale = [r.id for r in s.execute(query) if not _owner_alive(r.pid, r.started_at)]
-        marked = []
-        for run_id in stale:
-            with self._write() as s:
-                run = s.get_one(Run, run_id)
-                if run.status != "RUNNING":  # another process reconciled it meanwhile
-                    continue
-                error = f"orchestrator process {run.pid} on {run.host} ended without finishing"
-                run.status, run.error, run.ended_at = "INTERRUPTED", error, utcnow()
-                s.add(failure_row(run_id, None, "interrupted", error))
-            marked.append(run_id)
-        return marked
-
-    def _new_run(self, job: JobSpec, identity: str, status: str, pid: int | None) -> Run:
-        return Run(
-            id=uuid.uuid4().hex,
-            identity=identity,
-            job_id=job.job_id,
-            status=status,
-            started_at=utcnow(),
-            family=job.model.family,
-            model_json=job.model.model_dump_json(),
-            workload_name=job.workload.name,
-            workload_json=job.workload.model_dump_json(),
-            protocol_hash=job.protocol.content_hash(),
-            protocol_version=job.protocol.version,
-            code_sha=job.code_sha,
-            host=self.hostname,
-            pid=pid,
-            job_json=job.model_dump_json(),
-            baseline_stack=job.baseline.name,
-        )
-
-    @staticmethod
-    def _refuse_known_job(s: Session, job_id: str) -> None:
-        known = s.scalar(select(Run).where(Run.job_id == job_id))
-        if known is not None:
-            raise DuplicateRun(
-                f"job {job_id} is already recorded as run {known.id} ({known.status})"
-            )
-
-    # ------------------------------------------------------------------------ queries
-
-    def list_runs(self, limit: int = 20, family: str | None = None) -> list[dict[str, Any]]:
-        """Newest first: run fields (without the JSON blobs) and the stack names in order."""
-        query = select(Run).order_by(Run.started_at.desc(), Run.id).limit(limit)
-        if family is not None:
-            query = query.where(Run.family == family)
-        query = query.options(selectinload(Run.stack_results).selectinload(StackResultRow.stack))
-        with self._read() as s:
-            return [
-                {
-                    **run_fields(run),
-                    "model": model_label(json.loads(run.model_json)),
-                    "stacks": [sr.stack.name for sr in run.stack_results],
-                }
-                for run in s.scalars(query)
-            ]
-
-    def resolve(self, run_id_or_prefix: str) -> str:
-        """The full id of the one run whose id starts with `run_id_or_prefix`."""
-        prefix = run_id_or_prefix.strip().lower()
-        if not prefix:
-            raise RunNotFound("empty run id")
-        query = select(Run.id).where(Run.id.startswith(prefix, autoescape=True)).limit(6)
-        with self._read() as s:
-            ids = list(s.scalars(query))
-        if not ids:
-            raise RunNotFound(f"no run with id {prefix!r} or starting with it")
-        if len(ids) > 1 and prefix not in ids:
-            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            raise AmbiguousRun(f"run id prefix {prefix!r} matches several runs: {shown}")
-        return prefix if prefix in ids else ids[0]
-
-    def get_run(self, run_id_or_prefix: str, utterances: bool = True) -> dict[str, Any]:
-        """Run fields, decoded JSON (model, workload, job, environment) and per-stack results."""
-        run_id = self.resolve(run_id_or_prefix)
-        loads = [selectinload(Run.stack_results).selectinload(StackResultRow.stack)]
-        loads.append(selectinload(Run.stack_results).selectinload(StackResultRow.metrics))
-        if utterances:
-            loads.append(selectinload(Run.stack_results).selectinload(StackResultRow.utterances))
-        with self._read() as s:
-            run = s.scalars(select(Run).where(Run.id == run_id).options(*loads)).one()
-            return {
-                **run_fields(run),
-                "model": json.loads(run.model_json),
-                "workload": json.loads(run.workload_json),
-                "job": json.loads(run.job_json),
-                "environment": maybe_json(run.environment_json),
-                "stacks": [stack_fields(sr, utterances) for sr in run.stack_results],
-            }
-
-    def get_result(self, run_id_or_prefix: str) -> ResultRecord:
-        """Rebuild the worker's ResultRecord from the database (reports need no JSON file)."""
-        run = self.get_run(run_id_or_prefix)
-        if run["environment"] is None:
-            raise StoreError(f"run {run['id']} has no recorded result ({run['status']})")
-        return result_record(run)
-
-    def find_run_by_identity(self, identity: str) -> dict[str, Any] | None:
-        """The latest FINISHED run that measured `identity`, or None."""
-        query = (
-            select(Run.id)
-            .where(Run.identity == identity, Run.status == "FINISHED")
-            .order_by(Run.started_at.desc())
-            .limit(1)
-        )
-        with self._read() as s:
-            run_id = s.scalar(query)
-        return None if run_id is None else self.get_run(run_id, utterances=False)
-
-    # ------------------------------------------------------------- protocol versions
-
-    def register_protocol(self, protocol: Protocol) -> None:
-        """Record this protocol version; refuse one whose (name, version) was seen with other
-        content: a changed protocol must be a new version, or old results silently change."""
-        digest = protocol.content_hash()
-        with self._write() as s:
-            known = s.scalar(
-                select(ProtocolRow).where(
-                    ProtocolRow.name == protocol.name, ProtocolRow.version == protocol.version
-                )
-            )
-            if known is not None:
-                if known.protocol_hash != digest:
-                    raise ProtocolError(
-                        f"protocol {protocol.name!r} v{protocol.version} is recorded with hash "
-                        f"{known.protocol_hash}, but this file hashes to {digest}: a changed "
-                        f"protocol needs a new version (runs under v{protocol.version} used "
-                        "the old)"
-                    )
-                return
-            s.add(
-                ProtocolRow(
-                    name=protocol.name,
-                    version=protocol.version,
-                    protocol_hash=digest,
-                    protocol_json=protocol.model_dump_json(),
-                    created_at=utcnow(),
-                )
-            )
-
-
-    def recorded_protocols(self) -> list[dict[str, Any]]:
-        """Every protocol version the database has seen, oldest first."""
-        with self._read() as s:
-            rows = s.scalars(select(ProtocolRow).order_by(ProtocolRow.created_at, ProtocolRow.id))
-            return [
-                {
-                    "name": r.name,
-                    "version": r.version,
-                    "hash": r.protocol_hash,
-                    "created_at": r.created_at,
-                    "protocol": json.loads(r.protocol_json),
-                }
-                for r in rows
-            ]
-
-    def list_failures(self, limit: int = 100, run_id: str | None = None) -> list[dict[str, Any]]:
-        """Failures-ledger entries, newest first."""
-        query = select(Failure).order_by(Failure.created_at.desc(), Failure.id.desc()).limit(limit)
-        if run_id is not None:
-            query = query.where(Failure.run_id == run_id)
-        with self._read() as s:
-            return [columns(f) for f in s.scalars(query)]
-
     def count(self, table: str) -> int:
         """Rows in a table (for tests and `orchestrate db` summaries)."""
         with self._read() as s:
             return s.scalar(select(func.count()).select_from(Base.metadata.tables[table])) or 0
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _has_result(run: Run) -> bool:
-    # Every ResultRecord carries an environment, and only recording a result sets it.
-    return run.environment_json is not None
-
-
-def _owner_alive(pid: int | None, run_started: datetime) -> bool:
-    """Whether the process that wrote a RUNNING row (pid `pid`) still runs."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, but belongs to another user
-    stat = _proc_stat(pid)
-    if stat is None:  # no /proc (not Linux): the pid exists, trust it
-        return True
-    state, started = stat
-    if state == "Z":  # exited, not yet reaped by its parent
-        return False
-    return started <= run_started + PID_REUSE_TOLERANCE
-
-
-def _proc_stat(pid: int) -> tuple[str, datetime] | None:
-    """Linux: a process's state letter and start time (to tell a reused pid)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        btime = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-    except (OSError, StopIteration, ValueError):
-        return None
-    # The command name (field 2) may contain spaces and parentheses; fields after it don't.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    ticks = int(fields[19])  # field 22, starttime, in clock ticks since boot
-    started = btime + ticks / os.sysconf("SC_CLK_TCK")
-    return fields[0], datetime.fromtimestamp(started, tz=UTC)
