@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import math
-import random
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from factories import result_record, stack_result, utterances
 
-from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.config import StackSpec, TechniqueRef
 from orchestrate.api.protocol import Gate, Protocol, ProtocolError, QualitySpec, SpeedRule
-from orchestrate.api.records import (
-    EnvironmentInfo,
-    JobSpec,
-    ResultRecord,
-    StackResult,
-    UtteranceRecord,
-)
 from orchestrate.research import decide
 from orchestrate.research.scoring_run import StackQuality
 from orchestrate.running.runner import comparisons
@@ -25,54 +17,6 @@ from orchestrate.store.store import Store
 
 STOCK = StackSpec(name="stock")
 FAST = StackSpec(name="fast", techniques=[TechniqueRef(name="static_kv_cache")])
-
-
-def utterances(
-    scale: float, n: int = 8, jitter: float = 0.0, seed: int = 0, prompts: int = 4
-) -> list[UtteranceRecord]:
-    """n timed utterances: latency = scale x a per-prompt base time x (1 +- jitter)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = i % prompts
-        latency = scale * (0.4 + 0.1 * p) * (1 + rng.uniform(-jitter, jitter))
-        out.append(
-            UtteranceRecord(
-                prompt_id=f"p{p}", seed=42 + i // prompts, round=i, latency_s=latency,
-                lm_s=0.8 * latency, codec_s=0.2 * latency, prompt_tokens=20, new_tokens=640,
-                frames=80, audio_s=6.4, stop_reason="length_policy",
-            )
-        )  # fmt: skip
-    return out
-
-
-def stack_result(spec: StackSpec, scale: float, **kw: object) -> StackResult:
-    from orchestrate.running.metrics import summarize
-
-    utts = utterances(scale, **kw)  # type: ignore[arg-type]
-    return StackResult(stack=spec, status="ok", utterances=utts, metrics=summarize(utts))
-
-
-def result_record(results: list[StackResult], when: datetime | None = None) -> ResultRecord:
-    t0 = when or datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    workload = Workload(
-        name="smoke", prompts=[Prompt(id=f"p{i}", text=f"Prompt {i}.") for i in range(4)],
-        seeds=[42, 43],
-    )  # fmt: skip
-    job = JobSpec(
-        model=ModelSpec(preset="tiny"),
-        workload=workload,
-        stacks=[r.stack for r in results],
-        output_dir="out",
-    )
-    env = EnvironmentInfo(
-        hostname="h", platform="Linux", python="3.11", torch="2.9", transformers="5.0",
-        device_name="Test CPU", cpu_count=2, model_config_hash="abc",
-    )  # fmt: skip
-    return ResultRecord(
-        job=job, status="finished", started_at=t0, finished_at=t0 + timedelta(seconds=9),
-        environment=env, results=results,
-    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- speed

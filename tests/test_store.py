@@ -501,7 +501,7 @@ def test_get_result_needs_a_result(store: Store, make_result_record: MakeResult)
 WRITER = """
 import sys
 sys.path.insert(0, sys.argv[3])
-from conftest import fabricate_result
+from factories import fabricate_result
 from orchestrate.store.store import Store
 store = Store(sys.argv[1])
 for _ in range(int(sys.argv[2])):
