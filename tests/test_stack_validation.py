@@ -72,11 +72,16 @@ class _AfterHopper(_NeedsHopper):
     after: ClassVar = ("needs_hopper",)
 
 
+def with_techniques(monkeypatch, **extra: type) -> None:
+    """The installed catalogue plus `extra` techniques, as if installed (no entry points)."""
+    cat = registry.catalogue()
+    fake = registry.Catalogue(cat.families, {**cat.techniques, **extra}, cat.broken)
+    monkeypatch.setattr(registry, "catalogue", lambda: fake)
+
+
 @pytest.fixture
 def fake_plugins(monkeypatch):
-    known = dict(registry.discover())
-    known.update(needs_hopper=_NeedsHopper, after_hopper=_AfterHopper)
-    monkeypatch.setattr(registry, "discover", lambda: known)
+    with_techniques(monkeypatch, needs_hopper=_NeedsHopper, after_hopper=_AfterHopper)
 
 
 def test_cpu_skips_gpu_technique_and_its_dependents(fake_plugins):
@@ -141,8 +146,7 @@ def test_a_technique_refusing_at_apply_is_recorded_refused_not_crashed(monkeypat
     from orchestrate.running.plan import plan_job
     from orchestrate.running.worker import run_job
 
-    known = dict(registry.discover()) | {"refuses_at_apply": _RefusesAtApply}
-    monkeypatch.setattr(registry, "discover", lambda: known)
+    with_techniques(monkeypatch, refuses_at_apply=_RefusesAtApply)
     smoke = load_workload("smoke")
     wl = Workload.model_validate(
         smoke.model_dump() | {"prompts": smoke.prompts[:1], "seeds": [42], "warmups": 0}
