@@ -59,9 +59,11 @@ def _load(name: str) -> object:
 with _interpreter(not CUDA and IN_PROCESS):
     pytest.importorskip("triton")
     if IN_PROCESS:
-        gemv, attn, samp, rn, g6 = (_load(n) for n in (
+        # the shared epilogue first: the GEMVs import its kernel function when they load
+        ep, gemv, attn, samp, rn, g6 = (_load(n) for n in ("epilogue",
             "int8_gemv", "decode_attention", "sampler", "rope_norm", "int6_gemv"))  # fmt: skip
     else:  # only the subprocess test below runs; names still needed at collection
+        ep = importlib.import_module(_KERNELS + "epilogue")
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
         g6 = importlib.import_module(_KERNELS + "int6_gemv")
 
@@ -155,7 +157,7 @@ def test_int8_linear_split_k_is_deterministic_and_rearms() -> None:
     first = gemv.int8_linear(x, q, scale, config=cfg)
     for _ in range(2):  # as graph replays would
         assert torch.equal(gemv.int8_linear(x, q, scale, config=cfg), first)
-    assert int(gemv._SEMAPHORES[str(x.device)].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[str(x.device)].abs().sum()) == 0
 
 
 def test_int8_linear_vector_input_and_default_config() -> None:
@@ -225,7 +227,7 @@ def test_int6_linear_split_k_deterministic_and_rejects_unsupported() -> None:
     assert first.shape == (48,)
     for _ in range(2):  # as graph replays would
         assert torch.equal(g6.int6_linear(x, packed, scale, config=cfg), first)
-    assert int(gemv._SEMAPHORES[str(x.device)].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[str(x.device)].abs().sum()) == 0
     with pytest.raises(ValueError, match="one row"):
         g6.int6_linear(randn(2, 384), packed, scale)
     with pytest.raises(ValueError, match="K=32"):

@@ -22,6 +22,7 @@ from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps
 from orchestrate.families.omnivoice.engine import (
     KnobError,
+    Passes,
     generation_config,
     slot_loop,
     stock_engine,
@@ -249,15 +250,15 @@ def test_knob_techniques_change_the_config(family, model):
 def test_cfg_late_off_really_runs_fewer_rows(family, model):
     eng = engine_for(family, model, {"name": "cfg_late_off", "params": {"from_fraction": 0.5}})
     codes(eng)
-    assert eng.notes["last"] == {"steps_run": 32, "rows_run": 16 * 2 + 16 * 1}
+    assert eng.passes.last == Passes(steps=32, rows=16 * 2 + 16 * 1)
     stock = stock_engine(model, reimplemented=True)
     codes(stock)
-    assert stock.notes["last"]["rows_run"] == 64
+    assert stock.passes.last.rows == 64
     # guidance_scale=0 is not the same thing: the package still computes the uncond rows.
     zero = engine_for(family, model, {"name": "guidance_scale", "params": {"value": 0.0}})
     zero.loop = slot_loop
     codes(zero)
-    assert zero.notes["last"]["rows_run"] == 64
+    assert zero.passes.last.rows == 64
 
 
 def test_each_synthesis_reports_its_forwards_and_their_floor(family, model):
@@ -300,7 +301,7 @@ def test_confidence_parallel_exits_early(family, model):
         {"name": "confidence_parallel", "params": {"threshold": 1e-6, "step_limit": 12}},
     )
     out = codes(eng)[0]
-    assert eng.notes["last"]["steps_run"] == 1
+    assert eng.passes.last.steps == 1
     assert not bool((out == 1024).any())
     strict = engine_for(
         family,
@@ -308,7 +309,7 @@ def test_confidence_parallel_exits_early(family, model):
         {"name": "confidence_parallel", "params": {"threshold": 1.0, "step_limit": 5}},
     )
     out = codes(strict)[0]
-    assert strict.notes["last"]["steps_run"] == 5 and not bool((out == 1024).any())
+    assert strict.passes.last.steps == 5 and not bool((out == 1024).any())
 
 
 def test_fidelity_flags_approximate_stacks(family, model):

@@ -16,8 +16,8 @@ pytest.importorskip("omnivoice", exc_type=ImportError)
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload, load_stack
 from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps
-from orchestrate.families.omnivoice.engine import Engine, slot_loop, stock_engine
-from orchestrate.techniques.omnivoice.cuda_graph_loop import NOTES, graph_loop
+from orchestrate.families.omnivoice.engine import Engine, Loop, Passes, slot_loop, stock_engine
+from orchestrate.techniques.omnivoice.cuda_graph_loop import CudaGraphLoop, GraphLoop
 from orchestrate.techniques.omnivoice.torch_compile import compile_forward
 from orchestrate.techniques.omnivoice.use_cache_off import no_cache_forward
 
@@ -28,8 +28,8 @@ GREEDY = {"position_temperature": 0.0, "class_temperature": 0.0}
 H200 = DeviceCaps("cuda", (9, 0), "NVIDIA H200")
 
 
-def engine(model, loop, batch: int = 1, cache_off: bool = True, **knobs) -> Engine:
-    """slot_loop's engine (or the same with graph_loop), knobs set directly: the technique
+def engine(model, loop: Loop, batch: int = 1, cache_off: bool = True, **knobs) -> Engine:
+    """slot_loop's engine (or the same with a GraphLoop), knobs set directly: the technique
     itself needs CUDA, so on the CPU its loop is wired in by hand."""
     eng = stock_engine(model, reimplemented=True)
     eng.knobs.update(knobs)
@@ -58,10 +58,10 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize("knobs", [RECIPE, {}], ids=["recipe", "package_defaults"])
 def test_eager_steps_equal_slot_loop(model, knobs, cache_off):
     ref = run(engine(model, slot_loop, cache_off=cache_off, **knobs, **GREEDY), [TEXT])
-    eng = engine(model, graph_loop, cache_off=cache_off, **knobs, **GREEDY)
+    eng = engine(model, GraphLoop(), cache_off=cache_off, **knobs, **GREEDY)
     assert_same(run(eng, [TEXT]), ref)
     steps = knobs.get("num_step", 32)
-    assert eng.notes["last"] == {"steps_run": steps, "rows_run": 2 * steps}
+    assert eng.passes.last == Passes(steps=steps, rows=2 * steps)
 
 
 def test_eager_steps_equal_slot_loop_batched(model):
@@ -69,15 +69,15 @@ def test_eager_steps_equal_slot_loop_batched(model):
     gather path: other prompt lengths, other target lengths, padded rows)."""
     for texts in ([TEXT] * 3, [TEXT, LONG, "Yes."]):
         ref = run(engine(model, slot_loop, **RECIPE, **GREEDY), texts)
-        eng = engine(model, graph_loop, **RECIPE, **GREEDY)
+        eng = engine(model, GraphLoop(), **RECIPE, **GREEDY)
         got = run(eng, texts)
         assert_same(got, ref)
-        assert eng.notes["last"] == {"steps_run": 10, "rows_run": 10 * 2 * len(texts)}
+        assert eng.passes.last == Passes(steps=10, rows=10 * 2 * len(texts))
     assert len({c.shape[-1] for c in got}) == 3  # really three lengths
 
 
 def test_eager_noise_is_seeded_and_every_position_commits(model):
-    eng = engine(model, graph_loop, class_temperature=1.0, **RECIPE)  # position noise on
+    eng = engine(model, GraphLoop(), class_temperature=1.0, **RECIPE)  # position noise on
     a, again, other = (run(eng, [TEXT, TEXT], seed=s) for s in (1, 1, 2))
     assert_same(a, again)
     assert not torch.equal(a[0], other[0])
@@ -85,13 +85,19 @@ def test_eager_noise_is_seeded_and_every_position_commits(model):
 
 
 def test_static_loops_are_kept_per_shape(model):
-    eng = engine(model, graph_loop, **RECIPE, **GREEDY)
+    loop = GraphLoop()
+    eng = engine(model, loop, **RECIPE, **GREEDY)
     run(eng, [TEXT])
     run(eng, [TEXT])
     run(eng, [LONG])
     eng.knobs["num_step"] = 4  # another step count is other work: another loop
     run(eng, [TEXT])
-    assert len([k for k in eng.notes[NOTES] if k != "pool"]) == 3
+    assert len(loop.loops) == 3
+    technique = CudaGraphLoop(CudaGraphLoop.Params())
+    a, b = stock_engine(model), stock_engine(model)
+    technique.apply(a)
+    technique.apply(b)
+    assert isinstance(a.loop, GraphLoop) and a.loop is not b.loop  # each engine its own
 
 
 def test_synthesis_reports_the_forwards_it_ran(model):
@@ -104,10 +110,10 @@ def test_synthesis_reports_the_forwards_it_ran(model):
         length_policy={"mode": "model"},
         measure_ttfa=False,
     )
-    eng = engine(model, graph_loop, batch=2, **RECIPE)
+    eng = engine(model, GraphLoop(), batch=2, **RECIPE)
     syn = family.synthesize(eng, TEXT, 11, wl)
     assert syn.forward_passes == 10 and syn.frames > 0
-    assert eng.notes["last"] == {"steps_run": 10, "rows_run": 40}
+    assert eng.passes.last == Passes(steps=10, rows=40)
 
 
 # ------------------------------------------------------------------- refusals
@@ -141,7 +147,7 @@ def test_reduce_overhead_compile_is_refused(model):
         build_stack(spec(compiled, {"name": "cuda_graph_loop"}), H200)
     # Listed after the loop, check_stack cannot see it: the loop refuses before any work.
     build_stack(spec({"name": "cuda_graph_loop"}, compiled), H200)
-    eng = engine(model, graph_loop, **RECIPE)
+    eng = engine(model, GraphLoop(), **RECIPE)
     eng.forward = compile_forward(eng.forward, "reduce-overhead", fullgraph=False)
     with pytest.raises(RuntimeError, match="reduce-overhead.*mode default"):
         run(eng, [TEXT])
@@ -151,7 +157,7 @@ def test_guidance_and_unmask_fillers_are_refused(model):
     for other in ("cfg_late_off", "confidence_parallel"):
         with pytest.raises(StackError, match=f"cuda_graph_loop.*conflicts with {other!r}"):
             build_stack(spec({"name": other}, {"name": "cuda_graph_loop"}), H200)
-    eng = engine(model, graph_loop, **RECIPE)
+    eng = engine(model, GraphLoop(), **RECIPE)
     eng.filled["guidance"] = "cfg_late_off"  # listed after the loop: refused when run
     with pytest.raises(RuntimeError, match="cfg_late_off.*'guidance' slot"):
         run(eng, [TEXT])
@@ -178,13 +184,14 @@ def graph_engine(model, *techniques: dict, batch: int = 1, **knobs) -> Engine:
         {"name": "batch", "params": {"size": batch}},
     )
     eng = get_family("omnivoice").build_engine(model, build_stack(stack, DeviceCaps.probe("cuda")))
-    assert eng.loop is graph_loop
+    assert isinstance(eng.loop, GraphLoop)
     eng.knobs.update(knobs)
     return eng
 
 
 def graphs(eng: Engine) -> list[torch.cuda.CUDAGraph]:
-    return [v.graph for k, v in eng.notes[NOTES].items() if k != "pool"]
+    assert isinstance(eng.loop, GraphLoop)
+    return [loop.graph for loop in eng.loop.loops.values()]
 
 
 @pytest.mark.gpu
@@ -199,7 +206,7 @@ def test_graph_loop_captured_equals_slot_loop_on_cuda(cuda_model):
         assert graphs(eng) and all(g is not None for g in graphs(eng))  # really captured
         assert_same(first, ref)
         assert_same(run(eng, texts), first)  # replay
-        assert eng.notes["last"] == {"steps_run": 10, "rows_run": 20 * len(texts)}
+        assert eng.passes.last == Passes(steps=10, rows=20 * len(texts))
 
 
 @pytest.mark.gpu

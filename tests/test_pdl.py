@@ -6,11 +6,13 @@ CPU-only checks of validation and wiring; tests/test_gpu.py runs PDL stacks on t
 from __future__ import annotations
 
 import pytest
+import torch
 
-from orchestrate.api.config import StackSpec, TechniqueRef
+from orchestrate.api.config import SamplingConfig, StackSpec, TechniqueRef
 from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps
-from orchestrate.families.rumik.engine import stock_engine
+from orchestrate.families.rumik.engine import LaunchOptions, stock_engine
+from orchestrate.techniques.rumik.fused_rope_norm import FusedRopeNormDecoder
 from orchestrate.techniques.rumik.pdl import PDL
 
 FAMILY = get_family("rumik")
@@ -41,13 +43,51 @@ def test_pdl_needs_a_kernel_technique_before_it():
         build_stack(stack("pdl", "static_kv_cache", "int8_projections"))
 
 
-def test_pdl_switches_every_kernel_part_on(tiny_model):
-    names = ("static_kv_cache", "int8_projections", "fused_rope_norm", "device_sampler", "pdl")
-    eng = FAMILY.build_engine(tiny_model, build_stack(stack(*names)))
-    assert eng.projections.pdl is True and eng.sampler.pdl is True and eng.notes["pdl"] is True
-    assert eng.notes["pdl_switched"] == ["int8_projections", "device_sampler", "fused_rope_norm"]
-    assert build_stack(stack(*names)).exact is False  # int8 and the sampler, not pdl
+def test_pdl_sets_the_engine_launch_option_only(tiny_model):
+    names = ("static_kv_cache", "int8_projections", "fused_rope_norm", "device_sampler")
+    without = FAMILY.build_engine(tiny_model, build_stack(stack(*names)))
+    eng = FAMILY.build_engine(tiny_model, build_stack(stack(*names, "pdl")))
+    assert without.launch == LaunchOptions() and eng.launch == LaunchOptions(pdl=True)
+    assert eng.filled["launch"] == "pdl" and eng.decoder_class is FusedRopeNormDecoder
+    # the parts keep their own params; the engine option reaches them at call time
+    assert eng.projections.pdl is False and eng.sampler.pdl is False
+    assert eng.projections.launch_pdl is True and without.projections.launch_pdl is False
+    assert build_stack(stack(*names, "pdl")).exact is False  # int8 and the sampler, not pdl
     assert PDL.exact is True
+
+
+def test_kernel_parts_read_the_launch_option_at_call_time(tiny_model, monkeypatch):
+    """Each Triton launch gets launch_pdl from the engine when it runs (the kernels are
+    stubbed: only the flag they receive is checked)."""
+    from orchestrate.techniques.rumik.kernels import int8_gemv, sampler
+
+    seen: list[tuple[str, bool]] = []
+
+    def gemv(rows, q, scale, *, launch_pdl=False):
+        seen.append(("gemv", launch_pdl))
+        return torch.zeros(rows.shape[0], q.shape[0], dtype=rows.dtype)
+
+    def sample(logits, counter, *, launch_pdl=False, **_):
+        seen.append(("sampler", launch_pdl))
+        return torch.zeros(1, dtype=torch.long)
+
+    monkeypatch.setattr(int8_gemv, "int8_linear", gemv)
+    monkeypatch.setattr(sampler, "sample_top_k", sample)
+    names = ("static_kv_cache", "int8_projections", "device_sampler")
+    eng = FAMILY.build_engine(tiny_model, build_stack(stack(*names)))
+    hidden = torch.zeros(1, tiny_model.config.hidden_size, dtype=tiny_model.lm.dtype)
+    head = eng.head(hidden, 0)
+    gen = torch.Generator().manual_seed(0)
+
+    def launch() -> None:
+        eng.projections.qkvgu(0, hidden)
+        eng.sampler(head, allow_end=False, force_end=False, sampling=SamplingConfig(),
+                    generator=gen)  # fmt: skip
+
+    launch()
+    PDL(PDL.Params()).apply(eng)  # after the parts exist: they see it at their next call
+    launch()
+    assert seen == [("gemv", False), ("sampler", False), ("gemv", True), ("sampler", True)]
 
 
 def test_pdl_with_nothing_to_switch_is_an_error(tiny_model):

@@ -11,13 +11,16 @@ Slots, in the order one unmasking step uses them:
 Stock is the package itself: `loop` calls OmniVoice._generate_iterative. When a technique
 fills forward/schedule/guidance/unmask, the loop becomes `slot_loop`, a faithful
 re-implementation of _generate_iterative that calls the slots (tests prove it returns the
-same codes as OmniVoice.generate() for the same seed). Knobs (num_step, guidance_scale, ...)
-are the package's OmniVoiceGenerationConfig, validated by name here because the package
-silently drops names it does not know.
+same codes as OmniVoice.generate() for the same seed). Loops that read those slots are
+`SlotReadingLoop`s and count the forwards they run in the engine's `passes`.
+
+Knobs (num_step, guidance_scale, ...) are the package's OmniVoiceGenerationConfig, validated
+by name here because the package silently drops names it does not know.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -98,6 +101,19 @@ class Unmask(Protocol):
 
 
 Loop = Callable[["Engine", GenerationTask, OmniVoiceGenerationConfig], list[torch.Tensor]]
+
+
+class SlotReadingLoop(abc.ABC):
+    """A `loop` that calls the loop-internal slots itself (forward and schedule at least;
+    a guidance or unmask it does not read it must refuse, never ignore) and records the
+    forwards it runs with `engine.passes.record`. Only such a loop may run with those
+    slots filled (Engine.finalize); the package's own loop reads none of them."""
+
+    @abc.abstractmethod
+    def __call__(
+        self, engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerationConfig
+    ) -> list[torch.Tensor]: ...
+
 
 # (engine, per-item codes [C, T] or long-form chunk lists, per-item reference RMS, cfg)
 Codec = Callable[
@@ -192,6 +208,30 @@ def stock_unmask(log_probs, tokens, k, step, cfg, mask_id) -> None:
 # --------------------------------------------------------------------------- engine
 
 
+@dataclass(frozen=True)
+class Passes:
+    steps: int = 0  # forward passes
+    rows: int = 0  # batch rows, summed over those forwards
+
+
+@dataclass
+class PassCount:
+    """Forwards the slot-reading loops ran, for the worker's per-forward metrics: `total`
+    since the family's reset at the start of a synthesis (long-form chunks call the loop
+    once each, so it adds up), `last` of the latest loop call. The package's own loop
+    counts nothing: total.steps == 0 means "not counted"."""
+
+    total: Passes = field(default_factory=Passes)
+    last: Passes = field(default_factory=Passes)
+
+    def record(self, steps: int, rows: int) -> None:
+        self.last = Passes(steps, rows)
+        self.total = Passes(self.total.steps + steps, self.total.rows + rows)
+
+    def reset(self) -> None:
+        self.total = self.last = Passes()
+
+
 @dataclass
 class Engine:
     model: OmniVoiceModel
@@ -204,7 +244,7 @@ class Engine:
     knobs: dict[str, Any] = field(default_factory=dict)  # OmniVoiceGenerationConfig fields
     batch: int = 1  # copies of each request generated together (throughput)
     filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
-    notes: dict[str, Any] = field(default_factory=dict)
+    passes: PassCount = field(default_factory=PassCount)  # written by slot-reading loops
 
     def config(self) -> OmniVoiceGenerationConfig:
         return generation_config(self.knobs)
@@ -214,7 +254,7 @@ class Engine:
         uses_slots = any(s in self.filled for s in LOOP_SLOTS)
         if uses_slots and self.loop is package_loop:
             self.loop = slot_loop
-        elif uses_slots and "loop" in self.filled and not getattr(self.loop, "reads_slots", 0):
+        elif uses_slots and "loop" in self.filled and not isinstance(self.loop, SlotReadingLoop):
             # A filled slot nobody reads would be a silent no-op: refuse it.
             slots = [s for s in LOOP_SLOTS if s in self.filled]
             raise RuntimeError(
@@ -334,50 +374,43 @@ def build_cfg_batch(engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerati
     return CFGBatch(ids, audio_mask, attn, c_lens, list(task.target_lens))
 
 
-def slot_loop(
-    engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerationConfig
-) -> list[torch.Tensor]:
+class SlotLoop(SlotReadingLoop):
     """_generate_iterative, step for step and draw for draw, through the engine's slots."""
-    ov = engine.model.ov
-    B, C, mask_id = task.batch_size, ov.config.num_audio_codebook, ov.config.audio_mask_id
-    batch = build_cfg_batch(engine, task, cfg)
-    tokens = torch.full(
-        (B, C, max(task.target_lens)), mask_id, dtype=torch.long, device=engine.model.device
-    )
-    schedules = engine.schedule(task.target_lens, cfg, C)
-    steps_run = rows_run = 0
-    for step in range(cfg.num_step):
-        if getattr(engine.unmask, "done", None) and engine.unmask.done(tokens, batch, mask_id):
-            break  # early exit (e.g. confidence_parallel): nothing left to unmask
-        uncond = engine.guidance.uncond_rows(step, cfg)
-        rows = 2 * B if uncond else B  # conditioned rows only: really half the batch
-        logits = engine.forward(
-            batch.input_ids[:rows], batch.audio_mask[:rows], batch.attention_mask[:rows]
-        ).to(torch.float32)
-        steps_run, rows_run = steps_run + 1, rows_run + rows
-        for i in range(B):
-            k = schedules[i][step]
-            if k <= 0:
-                continue
-            c_len, t_len = batch.c_lens[i], batch.t_lens[i]
-            c_logits = logits[i : i + 1, :, c_len - t_len : c_len, :]
-            u_logits = logits[B + i : B + i + 1, :, :t_len, :] if uncond else None
-            log_probs = engine.guidance.log_probs(c_logits, u_logits, cfg)
-            sample = tokens[i : i + 1, :, :t_len]
-            engine.unmask(log_probs, sample, k, step, cfg, mask_id)
-            batch.input_ids[i : i + 1, :, c_len - t_len : c_len] = sample
-            batch.input_ids[B + i : B + i + 1, :, :t_len] = sample
-    record_passes(engine, steps_run, rows_run)
-    return [tokens[i, :, : task.target_lens[i]] for i in range(B)]
+
+    def __call__(
+        self, engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerationConfig
+    ) -> list[torch.Tensor]:
+        ov = engine.model.ov
+        B, C, mask_id = task.batch_size, ov.config.num_audio_codebook, ov.config.audio_mask_id
+        batch = build_cfg_batch(engine, task, cfg)
+        tokens = torch.full(
+            (B, C, max(task.target_lens)), mask_id, dtype=torch.long, device=engine.model.device
+        )
+        schedules = engine.schedule(task.target_lens, cfg, C)
+        steps_run = rows_run = 0
+        for step in range(cfg.num_step):
+            if getattr(engine.unmask, "done", None) and engine.unmask.done(tokens, batch, mask_id):
+                break  # early exit (e.g. confidence_parallel): nothing left to unmask
+            uncond = engine.guidance.uncond_rows(step, cfg)
+            rows = 2 * B if uncond else B  # conditioned rows only: really half the batch
+            logits = engine.forward(
+                batch.input_ids[:rows], batch.audio_mask[:rows], batch.attention_mask[:rows]
+            ).to(torch.float32)
+            steps_run, rows_run = steps_run + 1, rows_run + rows
+            for i in range(B):
+                k = schedules[i][step]
+                if k <= 0:
+                    continue
+                c_len, t_len = batch.c_lens[i], batch.t_lens[i]
+                c_logits = logits[i : i + 1, :, c_len - t_len : c_len, :]
+                u_logits = logits[B + i : B + i + 1, :, :t_len, :] if uncond else None
+                log_probs = engine.guidance.log_probs(c_logits, u_logits, cfg)
+                sample = tokens[i : i + 1, :, :t_len]
+                engine.unmask(log_probs, sample, k, step, cfg, mask_id)
+                batch.input_ids[i : i + 1, :, c_len - t_len : c_len] = sample
+                batch.input_ids[B + i : B + i + 1, :, :t_len] = sample
+        engine.passes.record(steps_run, rows_run)
+        return [tokens[i, :, : task.target_lens[i]] for i in range(B)]
 
 
-def record_passes(engine: Engine, steps: int, rows: int) -> None:
-    """Forwards of one loop call, for the worker's per-forward metrics; long-form chunks
-    call the loop once each, so the synthesis total adds up."""
-    engine.notes["last"] = {"steps_run": steps, "rows_run": rows}
-    total = engine.notes.setdefault("passes", {"steps": 0, "rows": 0})
-    total["steps"] += steps
-    total["rows"] += rows
-
-
-slot_loop.reads_slots = 1  # type: ignore[attr-defined]
+slot_loop = SlotLoop()  # stateless: one instance serves every engine

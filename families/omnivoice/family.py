@@ -67,7 +67,7 @@ class OmniVoiceFamily(Family):
         duration = None if frames is None else frames / model.frame_rate
         texts = [text] * engine.batch
         torch.manual_seed(seed)  # the package draws Gumbel noise from the global generator
-        engine.notes.pop("passes", None)
+        engine.passes.reset()  # this synthesis's forwards only
         sync(model.device)
         t0 = time.perf_counter()
         task = ov._preprocess_all(
@@ -113,9 +113,9 @@ def forward_passes(engine: Engine, cfg: Any, chunks: int, batch: int) -> tuple[i
     """(forwards, rows summed over them) of the last generation. The slot loop counts
     them (CFG late-off and early exit change both); the package's own loop runs num_step
     forwards of 2B rows per chunk."""
-    counted = engine.notes.pop("passes", None)
-    if counted and counted["steps"]:
-        return counted["steps"], counted["rows"]
+    counted = engine.passes.total
+    if counted.steps:
+        return counted.steps, counted.rows
     steps = cfg.num_step * chunks
     return steps, steps * 2 * batch
 

@@ -1,24 +1,32 @@
 """The Rumik engine: a model plus named slots that techniques fill.
 
 Slots, in the order data flows through one decode step:
-  decoder      prompt/token ids -> last normed hidden state (owns the KV cache)
-  projections  how a decoder that asks for them computes q,k,v,gate,up and o+down
-  attention    how such a decoder attends over its KV cache
-  head         hidden -> logits over the columns speech may sample (+ column -> token id)
-  sampler      logits -> one token id
-  loop         the whole token loop (host loop, or one that runs on the device)
+  decoder        prompt/token ids -> last normed hidden state (owns the KV cache); the
+                 engine field is `decoder_factory`, which builds one per sequence
+  decoder_class  the fixed-shape decoder class a cache-owning decoder factory builds
+                 (None: the factory's own); a technique that changes the step's math names
+                 a subclass here
+  projections    how a decoder that asks for them computes q,k,v,gate,up and o+down
+  attention      how such a decoder attends over its KV cache
+  head           hidden -> logits over the columns speech may sample (+ column -> token id)
+  sampler        logits -> one token id
+  loop           the whole token loop (host loop, or one that runs on the device)
+  launch         how kernel-calling parts launch their kernels (LaunchOptions)
 
 The stock engine is the family's default parts, so "stock" is a stack with no techniques
-and every technique is a diff against it. A technique replaces only the slots it declares.
+and every technique is a diff against it. A technique replaces only the slots it declares
+and talks to other techniques only through these typed fields: a part keeps its own state
+(a captured graph, a loop's buffers) on itself, never in a shared dictionary.
 """
 
 from __future__ import annotations
 
+import abc
 import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +36,9 @@ from orchestrate.api.config import SamplingConfig
 from orchestrate.api.device import sync
 from orchestrate.families.rumik.model import RumikModel
 
-SLOTS = ("decoder", "projections", "attention", "head", "sampler", "loop")
+SLOTS = (
+    "decoder", "decoder_class", "projections", "attention", "head", "sampler", "loop", "launch",
+)  # fmt: skip
 
 # transformers renamed the forward's cache argument (past_key_values -> cache) during 5.x.
 _CACHE_ARG = (
@@ -51,6 +61,34 @@ class Decoder(Protocol):
         """[1, 1] id of the token just sampled -> [1, H] normed hidden state."""
 
 
+class DecoderClass(Protocol):
+    """The `decoder_class` slot: (engine, max_seq_len, compile_mode) -> Decoder, the
+    constructor of static_kv_cache's decoder or of a subclass with the same signature."""
+
+    def __call__(self, engine: Engine, max_seq_len: int, compile_mode: str | None) -> Decoder: ...
+
+
+class Projections(abc.ABC):
+    """The `projections` slot. A projections object may also offer
+    `output(i, attn, act)`: o_proj(attn) + down_proj(act) without the residual add, for a
+    decoder that fuses the add into its next norm."""
+
+    @abc.abstractmethod
+    def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i's q, k, v, gate and up projections of the normed input."""
+
+    @abc.abstractmethod
+    def residual(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
+    ) -> torch.Tensor:
+        """x + o_proj(attn) + down_proj(act) for layer i."""
+
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one decode step reads through these projections; None when
+        unknown (the family then reports no step-byte floor)."""
+        return None
+
+
 @dataclass
 class HeadLogits:
     logits: torch.Tensor  # [1, C], float32
@@ -59,8 +97,15 @@ class HeadLogits:
     unit_columns: slice | torch.Tensor  # columns holding audio units
 
 
-class Head(Protocol):
-    def __call__(self, hidden: torch.Tensor, step: int) -> HeadLogits: ...
+class Head(abc.ABC):
+    """The `head` slot: hidden -> HeadLogits at decode step `step` (an int, or a device
+    counter inside a captured loop)."""
+
+    # Weight bytes one call reads (the family's step-byte floor); None when unknown.
+    bytes_per_step: int | None = None
+
+    @abc.abstractmethod
+    def __call__(self, hidden: torch.Tensor, step: int | torch.Tensor) -> HeadLogits: ...
 
 
 class Sampler(Protocol):
@@ -94,6 +139,15 @@ class Loop(Protocol):
     ) -> Generation: ...
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The `launch` slot: how every kernel-calling part (projections, attention, sampler,
+    fused decoder) launches its Triton kernels. Parts read it at call time, so one technique
+    (pdl) switches all of them without reaching into any."""
+
+    pdl: bool = False  # programmatic dependent launch (Hopper); see techniques/rumik/pdl.py
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -101,13 +155,14 @@ class Loop(Protocol):
 class Engine:
     model: RumikModel
     decoder_factory: Callable[[Engine, int], Decoder]  # (engine, max_seq_len) -> Decoder
-    projections: Any
+    projections: Projections
     attention: Callable[..., torch.Tensor]
     head: Head
     sampler: Sampler
     loop: Loop
+    decoder_class: DecoderClass | None = None
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
     filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
-    notes: dict[str, Any] = field(default_factory=dict)
 
     def new_decoder(self, max_seq_len: int) -> Decoder:
         decoder = self.decoder_factory(self, max_seq_len)
@@ -161,18 +216,19 @@ def stock_decoder(engine: Engine, max_seq_len: int) -> Decoder:
     return StockDecoder(engine, max_seq_len)
 
 
-def full_vocab_head(model: RumikModel) -> Head:
+class FullVocabHead(Head):
     """The tied 277k-row output head: every vocabulary id gets a logit."""
-    vocab = model.vocab
-    units = slice(vocab.first_unit_id, vocab.last_unit_id + 1)
-    lm = model.lm
 
-    def head(hidden: torch.Tensor, step: int) -> HeadLogits:
-        logits = lm.lm_head(hidden) * lm.logit_scale
-        return HeadLogits(logits.float(), None, vocab.end_id, units)
+    def __init__(self, model: RumikModel):
+        vocab = model.vocab
+        self.lm = model.lm
+        self.end_id = vocab.end_id
+        self.units = slice(vocab.first_unit_id, vocab.last_unit_id + 1)
+        self.bytes_per_step = tensor_bytes(self.lm.lm_head.weight)
 
-    head.bytes_per_step = tensor_bytes(lm.lm_head.weight)  # type: ignore[attr-defined]
-    return head
+    def __call__(self, hidden: torch.Tensor, step: int | torch.Tensor) -> HeadLogits:
+        logits = self.lm.lm_head(hidden) * self.lm.logit_scale
+        return HeadLogits(logits.float(), None, self.end_id, self.units)
 
 
 def stock_sampler(
@@ -254,7 +310,7 @@ def host_loop(
     return Generation(tokens, "token_cap" if frames is None else "length_policy", prefill_s)
 
 
-class SeparateProjections:
+class SeparateProjections(Projections):
     """The five input and two output projections as separate matmuls, as in stock."""
 
     def __init__(self, model: RumikModel):
@@ -311,7 +367,7 @@ def stock_engine(model: RumikModel) -> Engine:
         decoder_factory=stock_decoder,
         projections=SeparateProjections(model),
         attention=masked_sdpa,
-        head=full_vocab_head(model),
+        head=FullVocabHead(model),
         sampler=stock_sampler,
         loop=host_loop,
     )

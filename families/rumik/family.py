@@ -13,7 +13,14 @@ from orchestrate.api.family import Family, Synthesis
 from orchestrate.api.records import FidelityRecord
 from orchestrate.api.technique import BuiltStack
 from orchestrate.families.rumik import fidelity
-from orchestrate.families.rumik.engine import SLOTS, Engine, stock_engine, tensor_bytes
+from orchestrate.families.rumik.engine import (
+    SLOTS,
+    Engine,
+    Head,
+    Projections,
+    stock_engine,
+    tensor_bytes,
+)
 from orchestrate.families.rumik.model import RumikModel, build_model
 from orchestrate.families.rumik.presets import PRESETS
 from orchestrate.families.rumik.vocab import build_prompt
@@ -50,9 +57,11 @@ class RumikFamily(Family):
         """Fewest bytes one decode step must read: the weights this engine's projections and
         head use, norms and stop head, and the K/V a length-aware attention reads at
         `context` positions (sliding layers at most their window). None when a slot
-        filled by a plugin does not say what it reads."""
-        weights = getattr(engine.projections, "weight_bytes", None)
-        head = getattr(engine.head, "bytes_per_step", None)
+        filled by a plugin does not say what it reads (its part's contract answers None,
+        or the part is not built on the contract at all)."""
+        proj, head_part = engine.projections, engine.head
+        weights = proj.weight_bytes() if isinstance(proj, Projections) else None
+        head = head_part.bytes_per_step if isinstance(head_part, Head) else None
         if weights is None or head is None:
             return None
         lm, cfg = engine.model.lm, engine.model.config
@@ -68,7 +77,7 @@ class RumikFamily(Family):
             * (min(context, cfg.sliding_window) if t == "sliding_attention" else context)
             for t in cfg.layer_types
         )
-        return int(weights() + head + small + kv)
+        return int(weights + head + small + kv)
 
     def launches_per_step(
         self, engine: Engine, text: str, seed: int, workload: Workload

@@ -15,7 +15,8 @@ With position_temperature = class_temperature = 0 it returns slot_loop's codes (
 With noise, the Gumbel draws come from the graph-safe Philox stream in one batched draw
 per step, not the package's per-item draws: the same seed gives other codes (exact=False).
 The step function runs eagerly too (that is how the CPU tests prove the math); capture is
-a thin layer over it.
+a thin layer over it. The loop object the technique installs (`GraphLoop`) owns its static
+loops and their graph pool, so each engine keeps its own.
 """
 
 from __future__ import annotations
@@ -30,14 +31,12 @@ from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.omnivoice.engine import (
     CFGBatch,
     Engine,
+    SlotReadingLoop,
     StockGuidance,
     build_cfg_batch,
     position_scores,
     predict,
-    record_passes,
 )
-
-NOTES = "cuda_graph_loop"  # engine.notes key: {static key: StaticLoop}, plus the graph pool
 
 
 @dataclass(frozen=True)
@@ -196,34 +195,36 @@ class StaticLoop:
         return [self.tokens[i, :, :t].clone() for i, t in enumerate(self.layout.t_lens)]
 
 
-@torch.inference_mode()  # always: static buffers made in it cannot be written outside it
-def graph_loop(
-    engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerationConfig
-) -> list[torch.Tensor]:
-    """The `loop` slot: eager CFG batch, then one graph replay per synthesis on CUDA (the
-    same steps run eagerly elsewhere: the CPU tests' proof path)."""
-    refuse_unsupported(engine)
-    batch = build_cfg_batch(engine, task, cfg)
-    layout = Layout.of(batch, cfg)
-    state = engine.notes.setdefault(NOTES, {})
-    loop = state.get(layout)
-    if loop is None:
-        loop = state[layout] = StaticLoop(engine, layout, batch, cfg)
-    loop.load(batch)
-    if batch.input_ids.is_cuda:
-        if loop.graph is None:
-            if "pool" not in state:  # graphs share one pool; they never run concurrently
-                state["pool"] = torch.cuda.graph_pool_handle()
-            loop.capture(state["pool"])
-        loop.graph.replay()  # type: ignore[union-attr]
-    else:
-        loop.run()
-    steps, rows = layout.num_step, layout.num_step * 2 * layout.B
-    record_passes(engine, steps, rows)
-    return loop.outputs()
+class GraphLoop(SlotReadingLoop):
+    """The `loop` slot (reads forward and schedule): eager CFG batch, then one graph replay
+    per synthesis on CUDA (the same steps run eagerly elsewhere: the CPU tests' proof path).
+    Keeps one StaticLoop per Layout, captured into one shared graph pool."""
 
+    def __init__(self) -> None:
+        self.loops: dict[Layout, StaticLoop] = {}
+        self.pool: Any = None  # graphs share one pool; they never run concurrently
 
-graph_loop.reads_slots = 1  # type: ignore[attr-defined]  # reads forward and schedule
+    @torch.inference_mode()  # always: static buffers made in it cannot be written outside it
+    def __call__(
+        self, engine: Engine, task: GenerationTask, cfg: OmniVoiceGenerationConfig
+    ) -> list[torch.Tensor]:
+        refuse_unsupported(engine)
+        batch = build_cfg_batch(engine, task, cfg)
+        layout = Layout.of(batch, cfg)
+        loop = self.loops.get(layout)
+        if loop is None:
+            loop = self.loops[layout] = StaticLoop(engine, layout, batch, cfg)
+        loop.load(batch)
+        if batch.input_ids.is_cuda:
+            if loop.graph is None:
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                loop.capture(self.pool)
+            loop.graph.replay()  # type: ignore[union-attr]
+        else:
+            loop.run()
+        engine.passes.record(layout.num_step, layout.num_step * 2 * layout.B)
+        return loop.outputs()
 
 
 # ------------------------------------------------------------------- what it refuses
@@ -272,4 +273,4 @@ class CudaGraphLoop(Technique):
         return None
 
     def apply(self, engine: Engine) -> None:
-        engine.loop = graph_loop
+        engine.loop = GraphLoop()

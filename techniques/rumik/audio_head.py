@@ -8,10 +8,28 @@ legal token gets the same logit.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from orchestrate.api.technique import Technique
-from orchestrate.families.rumik.engine import Engine, HeadLogits, tensor_bytes
+from orchestrate.families.rumik.engine import Engine, Head, HeadLogits, tensor_bytes
+from orchestrate.families.rumik.model import RumikModel
+
+
+class AudioRowsHead(Head):
+    """The tied head's rows of the audio units and end-of-audio, gathered once."""
+
+    def __init__(self, model: RumikModel):
+        self.ids = model.vocab.candidate_ids(model.device)
+        self.weight = model.lm.lm_head.weight[self.ids].contiguous()
+        self.scale = model.lm.logit_scale
+        self.end = self.ids.numel() - 1
+        self.units = slice(0, self.end)
+        self.bytes_per_step = tensor_bytes(self.weight)
+
+    def __call__(self, hidden: torch.Tensor, step: int | torch.Tensor) -> HeadLogits:
+        logits = F.linear(hidden, self.weight) * self.scale
+        return HeadLogits(logits.float(), self.ids, self.end, self.units)
 
 
 class AudioHead(Technique):
@@ -22,15 +40,4 @@ class AudioHead(Technique):
     summary = "Output head restricted to audio units + end-of-audio (16,385 rows at real size)."
 
     def apply(self, engine: Engine) -> None:
-        model = engine.model
-        ids = model.vocab.candidate_ids(model.device)
-        weight = model.lm.lm_head.weight[ids].contiguous()
-        scale = model.lm.logit_scale
-        end = ids.numel() - 1
-        units = slice(0, end)
-
-        def head(hidden, step: int) -> HeadLogits:
-            return HeadLogits((F.linear(hidden, weight) * scale).float(), ids, end, units)
-
-        head.bytes_per_step = tensor_bytes(weight)  # type: ignore[attr-defined]
-        engine.head = head
+        engine.head = AudioRowsHead(engine.model)

@@ -52,9 +52,8 @@ class DecodeAttention(Technique):
                 window=window or 0,
                 num_splits=p.num_splits,
                 block_s=p.block_s,
-                launch_pdl=attend.pdl,  # type: ignore[attr-defined]
+                launch_pdl=p.pdl or engine.launch.pdl,  # own param, or the engine's option
             )
             return out.unsqueeze(2)
 
-        attend.pdl = p.pdl  # type: ignore[attr-defined]  # the pdl technique switches it on
         engine.attention = attend

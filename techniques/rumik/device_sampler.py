@@ -24,10 +24,11 @@ class DeviceSamplerParams(TechniqueParams):
 
 
 class DeviceSampler:
-    def __init__(self, device: torch.device, pdl: bool):
-        self.counter = torch.zeros(1, dtype=torch.long, device=device)
+    def __init__(self, engine: Engine, pdl: bool):
+        self.counter = torch.zeros(1, dtype=torch.long, device=engine.model.device)
         self.seed: int | None = None
-        self.pdl = pdl
+        self.engine = engine  # its `launch` option is read at each kernel call
+        self.pdl = pdl  # this technique's own `pdl` param; engine.launch.pdl adds the rest
 
     def reset(self, seed: int) -> None:
         """Start the utterance's random stream: (seed, draw) -> one Philox counter value."""
@@ -64,7 +65,7 @@ class DeviceSampler:
             top_k=sampling.top_k,
             allowed=(units.start, units.stop),
             extra_allowed=head.end_column if allow_end else None,
-            launch_pdl=self.pdl,
+            launch_pdl=self.pdl or self.engine.launch.pdl,
         )
         return (col if ids is None else ids[col]).view(1, 1)
 
@@ -79,4 +80,4 @@ class DeviceSamplerTechnique(Technique):
     Params = DeviceSamplerParams
 
     def apply(self, engine: Engine) -> None:
-        engine.sampler = DeviceSampler(engine.model.device, self.params.pdl)  # type: ignore[attr-defined]
+        engine.sampler = DeviceSampler(engine, self.params.pdl)  # type: ignore[attr-defined]

@@ -14,6 +14,8 @@ Triton kernels of techniques/rumik/kernels/rope_norm.py:
   `output` (o_proj + down_proj without the add: packed, int8 and int6 do); otherwise the
   projections add the residual and one `layer_norm` kernel follows.
 
+The subclass goes in the engine's `decoder_class` slot, which static_kv_cache's factory
+builds; the PDL flag of its launches is the engine's `launch` option, read at each step.
 Prefill (more than one token) keeps the unfused path. The position is only read on the
 device, so the step stays capturable by cuda_graph / graph_loop. Exact up to rounding order:
 the same fp32 maths, checked on teacher-forced logits against stock.
@@ -67,7 +69,7 @@ class FusedRopeNormDecoder(StaticDecoder):
         self.sin_half = self.sin[:, ::2].contiguous()
         self.next_norm = [*self.norms[1:], self.final_norm]
         self.output = getattr(self.proj, "output", None)
-        self.pdl = bool(engine.notes.get("pdl", False))
+        self.engine = engine  # its `launch` option is read at each decode step
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if ids.shape[0] != 1:
@@ -76,7 +78,7 @@ class FusedRopeNormDecoder(StaticDecoder):
             return super()._forward(ids, positions)
         from orchestrate.techniques.rumik.kernels import rope_norm as rn
 
-        pdl, eps = self.pdl, self.eps
+        pdl, eps = self.engine.launch.pdl, self.eps
         x = F.embedding(ids, self.embed)
         xn = rn.layer_norm(x, self.norms[0], eps, launch_pdl=pdl)
         for i in range(len(self.norms)):
@@ -103,7 +105,8 @@ class FusedRopeNorm(Technique):
     name = "fused_rope_norm"
     family = "rumik"
     exact = True
-    wraps = ("decoder",)
+    slots = ("decoder_class",)  # static_kv_cache's factory builds this subclass
+    wraps = ("decoder",)  # to check that it did
     requires = ("cuda", "package:triton")
     after = ("static_kv_cache",)
     summary = "Triton (residual add +) LayerNorm and rotary + KV-cache write on decode steps."
@@ -124,7 +127,7 @@ class FusedRopeNorm(Technique):
             engine.model.config.num_key_value_heads,
             engine.model.config.head_dim,
         )
-        engine.notes["static_decoder_cls"] = FusedRopeNormDecoder
+        engine.decoder_class = FusedRopeNormDecoder
         inner = engine.decoder_factory
 
         def factory(eng: Engine, need: int):

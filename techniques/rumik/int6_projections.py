@@ -45,7 +45,7 @@ class Int6Packed(QuantizedPacked):
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int6_gemv import int6_linear
 
-        return int6_linear(rows, q, scale, launch_pdl=self.pdl)
+        return int6_linear(rows, q, scale, launch_pdl=self.launch_pdl)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int6_gemv import dequantize_int6

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
-from orchestrate.families.rumik.engine import Engine, tensor_bytes
+from orchestrate.families.rumik.engine import Engine, Projections, tensor_bytes
 from orchestrate.techniques.rumik.packed_projections import input_projections
 
 MAX_GEMV_ROWS = 4
@@ -27,7 +27,7 @@ class Int8Params(TechniqueParams):
     pdl: bool = Field(False, description="Programmatic dependent launch (Hopper).")
 
 
-class QuantizedPacked(abc.ABC):
+class QuantizedPacked(Projections):
     """Packed q,k,v,gate,up (and o+down) weights, quantised per output channel. Decode
     rows go through a subclass's GEMV kernel; prefill multiplies by the dequantised
     weights, so both see the same rounded weights."""
@@ -36,7 +36,8 @@ class QuantizedPacked(abc.ABC):
 
     def __init__(self, engine: Engine, pdl: bool):
         self.check(engine.model.config)
-        self.pdl = pdl  # the pdl technique switches it on
+        self.engine = engine  # its `launch` option is read at each kernel call
+        self.pdl = pdl  # this technique's own `pdl` param; engine.launch.pdl adds the rest
         self.w_in: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.w_out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in engine.model.lm.model.layers:
@@ -47,8 +48,13 @@ class QuantizedPacked(abc.ABC):
             del w_in
         self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
 
-    def check(self, cfg: Any) -> None:  # noqa: B027 (optional hook; int8 fits any shape)
+    def check(self, cfg: Any) -> None:  # an optional hook: int8 fits any shape
         """Raise when the model's shapes do not fit the packing."""
+
+    @property
+    def launch_pdl(self) -> bool:
+        """PDL for this call: asked for by this technique's params or by the engine."""
+        return self.pdl or self.engine.launch.pdl
 
     @abc.abstractmethod
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -94,7 +100,7 @@ class Int8Packed(QuantizedPacked):
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
-        return int8_linear(rows, q, scale, launch_pdl=self.pdl)
+        return int8_linear(rows, q, scale, launch_pdl=self.launch_pdl)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import dequantize_int8

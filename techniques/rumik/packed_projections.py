@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
-from orchestrate.families.rumik.engine import Engine, tensor_bytes
+from orchestrate.families.rumik.engine import Engine, Projections, tensor_bytes
 
 
 class PackedProjectionsParams(TechniqueParams):
@@ -26,7 +26,7 @@ def input_projections(layer: torch.nn.Module) -> list[torch.nn.Linear]:
     return [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
 
 
-class Packed:
+class Packed(Projections):
     def __init__(self, engine: Engine, fuse_output: bool):
         self.w_in: list[torch.Tensor] = []
         self.w_out: list[torch.Tensor] = []

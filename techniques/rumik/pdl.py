@@ -10,13 +10,16 @@ immutable weights) overlaps the predecessor's tail, and the predecessor's
 earlier kernel wrote, so results are unchanged: exact. Inside a CUDA graph the dependency
 becomes a programmatic edge, so it also pays under cuda_graph / graph_loop.
 
-This technique fills no slot: it switches PDL on in the kernel-using parts the earlier
-techniques installed (projections, attention, sampler, the fused decoder). It needs an sm_90
-GPU and is refused or skipped elsewhere with that reason; a stack with nothing to switch on
-is an error, never a silent no-op. (Those techniques also take `pdl: true` one by one.)
+This technique fills the `launch` slot and nothing else: engine.launch.pdl, which every
+kernel-calling part (projections, attention, sampler, the fused decoder) reads at each
+launch. It needs an sm_90 GPU and is refused or skipped elsewhere with that reason; an
+engine where no kernel technique filled a slot is an error, never a silent no-op. (Those
+techniques also take `pdl: true` for their own kernels alone.)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.rumik.engine import Engine
@@ -35,6 +38,7 @@ class PDL(Technique):
     name = "pdl"
     family = "rumik"
     exact = True
+    slots = ("launch",)
     requires = ("cuda", "sm90", "package:triton")
     summary = "Programmatic dependent launch for the stack's Triton kernels (Hopper)."
 
@@ -50,17 +54,8 @@ class PDL(Technique):
         return None
 
     def apply(self, engine: Engine) -> None:
-        switched = []
-        for slot in ("projections", "attention", "sampler"):
-            part = getattr(engine, slot)
-            if hasattr(part, "pdl"):
-                part.pdl = True
-                switched.append(engine.filled.get(slot, slot))
-        from orchestrate.techniques.rumik.fused_rope_norm import FusedRopeNormDecoder
-
-        if engine.notes.get("static_decoder_cls") is FusedRopeNormDecoder:
-            switched.append("fused_rope_norm")
-        engine.notes["pdl"] = True  # read by the fused decoder when it is built
-        if not switched:
+        # engine.filled says which technique fills each slot so far: one of them must own
+        # kernels, or the option would reach nothing.
+        if set(engine.filled.values()).isdisjoint(KERNEL_TECHNIQUES):
             raise RuntimeError("pdl: no part of this engine launches Triton kernels")
-        engine.notes["pdl_switched"] = switched
+        engine.launch = dataclasses.replace(engine.launch, pdl=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
-from orchestrate.families.rumik.engine import Engine, layer_norm
+from orchestrate.families.rumik.engine import DecoderClass, Engine, layer_norm
 
 
 class CapacityError(ValueError):
@@ -139,9 +139,17 @@ class StaticKVCache(Technique):
                     f"{p.max_seq_len}"
                 )
             if not decoder:
-                # A technique that changes the step's math (fused_rope_norm) names a subclass.
-                cls = eng.notes.get("static_decoder_cls", StaticDecoder)
-                decoder.append(cls(eng, p.max_seq_len, p.compile_mode if p.compile else None))
+                # A technique that changes the step's math (fused_rope_norm) names a subclass
+                # in the decoder_class slot; read when the first decoder is built, so the
+                # technique may come after this one in the stack.
+                cls: DecoderClass = eng.decoder_class or StaticDecoder
+                built = cls(eng, p.max_seq_len, p.compile_mode if p.compile else None)
+                if not isinstance(built, StaticDecoder):  # this factory resets and reuses it
+                    raise TypeError(
+                        f"static_kv_cache builds StaticDecoder subclasses; decoder_class "
+                        f"{eng.filled.get('decoder_class')!r} built {type(built).__name__}"
+                    )
+                decoder.append(built)
             decoder[0].reset()
             return decoder[0]
 

@@ -11,8 +11,9 @@ policy), phase B the rest. `keep_decoding` sets each loop's condition from devic
 step < limit, and in phase B the last token is not the end token (the stop head forces
 the end token on the device, so both stops look the same). Token, position, RNG counter,
 codebook index (step % 8) and cache length all advance inside the captured step, exactly
-as in graph_loop, so the tokens are graph_loop's tokens (a GPU test checks it); the host
-launches once and synchronises once per utterance.
+as in graph_loop (both replay techniques/rumik/graphs.py's captured step), so the tokens are
+graph_loop's tokens (a GPU test checks it); the host launches once and synchronises once per
+utterance.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from orchestrate.api.config import SamplingConfig
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.rumik.engine import Engine, Generation
 from orchestrate.techniques.rumik.cuda_graph import graphs_twice
-from orchestrate.techniques.rumik.graph_loop import _Captured, model_stop, start
+from orchestrate.techniques.rumik.graphs import CapturedLoop, CapturedStep, model_stop
 from orchestrate.techniques.rumik.kernels.while_node import WhileGraph
 
 
-class _Loop:
-    """The outer graph for one captured state, plus the limits its phases read."""
+class _Phases:
+    """The outer graph for one captured step, plus the limits its phases read."""
 
     def __init__(
         self,
         engine: Engine,
-        state: _Captured,
+        state: CapturedStep,
         sampling: SamplingConfig,
         generator: torch.Generator,
     ):
@@ -58,29 +59,38 @@ class _Loop:
             self.graph.phase(handle, entry, body)
 
 
-def while_graph_loop(
-    engine: Engine,
-    prompt_ids: list[int],
-    frames: int | None,
-    sampling: SamplingConfig,
-    generator: torch.Generator,
-) -> Generation:
-    vocab = engine.model.vocab
-    state, cap, _, prefill_s = start(engine, prompt_ids, frames, sampling, generator)
-    loop: _Loop | None = engine.notes.get("while_graph_loop")
-    if loop is None or loop.state is not state or loop.sampling != sampling:
-        loop = engine.notes["while_graph_loop"] = _Loop(engine, state, sampling, generator)
-    free = cap if frames is not None else min(cap, max(1, sampling.min_tokens_before_stop))
-    loop.limits[0].fill_(free)
-    loop.limits[1].fill_(cap)
-    loop.graph.launch()
-    ran = int(state.step.item())  # the one host sync of the utterance
-    tokens = state.tokens[:ran].tolist()
-    if frames is not None:
-        return Generation(tokens, "length_policy", prefill_s)
-    if vocab.end_id in tokens:
-        return model_stop(tokens, state, vocab.end_id, prefill_s)
-    return Generation(tokens, "token_cap", prefill_s)
+class WhileLoop(CapturedLoop):
+    """The `loop` slot: one launch of the WHILE graph per utterance. Owns the phases built
+    for its captured step (rebuilt when the step or the sampling settings change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phases: _Phases | None = None
+
+    def __call__(
+        self,
+        engine: Engine,
+        prompt_ids: list[int],
+        frames: int | None,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Generation:
+        vocab = engine.model.vocab
+        state, cap, _, prefill_s = self.start(engine, prompt_ids, frames, sampling, generator)
+        loop = self.phases
+        if loop is None or loop.state is not state or loop.sampling != sampling:
+            loop = self.phases = _Phases(engine, state, sampling, generator)
+        free = cap if frames is not None else min(cap, max(1, sampling.min_tokens_before_stop))
+        loop.limits[0].fill_(free)
+        loop.limits[1].fill_(cap)
+        loop.graph.launch()
+        ran = int(state.step.item())  # the one host sync of the utterance
+        tokens = state.tokens[:ran].tolist()
+        if frames is not None:
+            return Generation(tokens, "length_policy", prefill_s)
+        if vocab.end_id in tokens:
+            return model_stop(tokens, state, vocab.end_id, prefill_s)
+        return Generation(tokens, "token_cap", prefill_s)
 
 
 class WhileGraphLoop(Technique):
@@ -100,4 +110,4 @@ class WhileGraphLoop(Technique):
         return graphs_twice(earlier)
 
     def apply(self, engine: Engine) -> None:
-        engine.loop = while_graph_loop
+        engine.loop = WhileLoop()

@@ -6,6 +6,8 @@ reference:
 - decode_attention: GQA flash-decoding with a device-side length (decode_attention)
 - sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
 - rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
+- epilogue: the GEMVs' shared per-channel scale + split-K epilogue (store_scaled) and its
+  semaphore pool (split_k_semaphores)
 
 Submodules import Triton; this package does not, so importing it is cheap.
 Names below are loaded on first use.

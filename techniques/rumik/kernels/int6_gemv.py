@@ -14,7 +14,7 @@ Contract
 - `int6_linear(x[..., K], packed, scale) -> y[..., N]` in x's dtype for ONE row of x (decode);
   more rows raise ValueError (multiply by `dequantize_int6` there). fp32 accumulation, the
   scale applied once per output after the K loop.
-- No host synchronisation, CUDA-graph safe. Split-K launches share int8_gemv's semaphores
+- No host synchronisation, CUDA-graph safe. Split-K launches share the epilogue's semaphores
   and re-arm them, so graph replays stay correct (allocated on first call: warm up first).
 
 Cost model (why it may lose to INT8 although it moves 25% fewer bytes)
@@ -52,7 +52,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
-from .int8_gemv import _store_scaled
+from .epilogue import split_k_semaphores, store_scaled
 
 patch_interpreter_scalars()
 
@@ -150,8 +150,8 @@ def _int6_gemv_kernel(
         b0, b1, b2 = n0, n1, n2
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
-                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
+    store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
+                 pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- torch side
@@ -240,8 +240,6 @@ def int6_linear(
     launch_pdl: bool = False,
 ) -> torch.Tensor:
     """y[..., N] = x[..., K] @ (unpack(packed) * scale[:, None]).T for one row of x."""
-    from .int8_gemv import _semaphores  # one semaphore pool for all split-K GEMVs
-
     n, k = _check_inputs(x, packed, scale)
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
@@ -260,7 +258,7 @@ def int6_linear(
     even = q4 % j_per_split == 0 and j_per_split % cfg.block_j == 0 and n % cfg.block_n == 0
     if split_k > 1:
         part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        sem = _semaphores(x.device, n_blocks)
+        sem = split_k_semaphores(x.device, n_blocks)
     else:
         part, sem = out, out  # unused when SPLIT_K == 1
     _int6_gemv_kernel[(n_blocks, split_k)](

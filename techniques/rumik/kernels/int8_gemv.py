@@ -66,6 +66,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
+from .epilogue import split_k_semaphores, store_scaled
 
 patch_interpreter_scalars()
 
@@ -124,7 +125,6 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
-_SEMAPHORES: dict[str, torch.Tensor] = {}
 
 
 # --------------------------------------------------------------------------- kernels
@@ -161,32 +161,6 @@ def _dequant(w, MAGIC: tl.constexpr):
         return bits.to(tl.float32, bitcast=True) - 8388736.0
     else:
         return w.to(tl.float32)
-
-
-@triton.jit
-def _store_scaled(
-    part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask, pid_n, pid_k, N,
-    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """The per-channel scale, applied once per output; with split-K, the last program of
-    each row block (counted with an atomic) sums the partials and re-arms the semaphore.
-    Shared by the int8 and int6 GEMVs."""
-    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, (part * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(part_ptr + pid_k * N + offs_n, part, mask=n_mask)
-        # all threads' partial stores precede the release below (bar.sync + acq_rel atomic)
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):  # fixed order: the result does not depend on who is last
-                total += tl.load(
-                    part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(out_ptr + offs_n, (total * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm for replay
 
 
 @triton.jit
@@ -236,8 +210,8 @@ def _int8_gemv_kernel(
             acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
-                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
+    store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
+                 pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -332,16 +306,6 @@ def default_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(4, 1024, 4, magic=True)
 
 
-def _semaphores(device: torch.device, n: int) -> torch.Tensor:
-    key = str(device)
-    sem = _SEMAPHORES.get(key)
-    if sem is None or sem.numel() < n:
-        # zeros once; every split-K launch leaves them at zero again
-        sem = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _SEMAPHORES[key] = sem
-    return sem
-
-
 def _check_inputs(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
     check_device("int8_linear", x, q, scale)
     check_dtype("int8_linear x", x, FLOAT_DTYPES)
@@ -404,7 +368,7 @@ def _launch_gemv(
     even = k % cfg.block_k == 0 and n % cfg.block_n == 0
     if split_k > 1:
         part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        sem = _semaphores(x.device, n_blocks)
+        sem = split_k_semaphores(x.device, n_blocks)
     else:
         part, sem = out, out  # unused by the kernel when SPLIT_K == 1
     _int8_gemv_kernel[(n_blocks, split_k)](
