@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from orchestrate.api.config import load_model_spec, load_stack, load_workload
+from orchestrate.api.config import LengthPolicy, load_model_spec, load_stack, load_workload
 from orchestrate.api.registry import build_stack, get_family
 from orchestrate.api.technique import DeviceCaps
 from orchestrate.running.environment import capture
@@ -82,12 +82,27 @@ def breakdown(stack_name: str, model_name: str, workload_name: str) -> dict[str,
         prev = now
     if hasattr(engine, "finalize"):
         engine.finalize()
-    text = workload.prompts[0].text
-    family.synthesize(engine, text, 42, workload)  # warm-up: capture, compile, first-use caches
+    # As the worker does: warm up on the longest clip, then each prompt x seed timed, each
+    # followed by a one-frame synthesis (time to first audio), peak reset before each.
+    longest = max(workload.prompts, key=lambda p: workload.length_policy.frames_for(p.text) or 0)
+    for _ in range(max(1, workload.warmups)):
+        family.synthesize(engine, longest.text, workload.seeds[0], workload)
     after_warm = allocated()
-    torch.cuda.reset_peak_memory_stats()
-    family.synthesize(engine, text, 42, workload)
-    peak = torch.cuda.max_memory_allocated()
+    one_frame = workload.model_copy(
+        update={"length_policy": LengthPolicy(mode="fixed", frames=1)}
+    )
+    timeline, peak = [], 0
+    for prompt in workload.prompts:
+        for seed in workload.seeds:
+            torch.cuda.reset_peak_memory_stats()
+            family.synthesize(engine, prompt.text, seed, workload)
+            if workload.measure_ttfa:
+                family.synthesize(engine, prompt.text, seed, one_frame)
+            step_peak = torch.cuda.max_memory_allocated()
+            peak = max(peak, step_peak)
+            timeline.append({"prompt": prompt.id, "seed": seed,
+                             "allocated_gb": round(allocated() / GB, 4),
+                             "peak_gb": round(step_peak / GB, 4)})
     return {
         "stack": stack_name,
         "model": model_name,
@@ -100,6 +115,7 @@ def breakdown(stack_name: str, model_name: str, workload_name: str) -> dict[str,
         "timed_peak_gb": round(peak / GB, 4),
         "timed_transient_gb": round((peak - after_warm) / GB, 4),
         "reserved_gb": round(torch.cuda.memory_reserved() / GB, 4),
+        "timeline": timeline,
         "largest_tensors": largest_tensors(),
     }
 
@@ -122,6 +138,9 @@ def main() -> None:
     print(f"  warm-up residue {b['warmup_residue_gb']} GB, steady {b['steady_gb']} GB, "
           f"timed peak {b['timed_peak_gb']} GB (transient {b['timed_transient_gb']} GB), "
           f"reserved {b['reserved_gb']} GB")
+    for step in b["timeline"]:
+        print(f"  {step['prompt']} seed {step['seed']}: allocated {step['allocated_gb']} GB, "
+              f"peak {step['peak_gb']} GB")
     for t in b["largest_tensors"][:8]:
         print(f"  {t['gb']:8.3f} GB  {t['count']:4d} x {t['shape']} {t['dtype']}")
 
