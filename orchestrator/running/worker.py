@@ -33,12 +33,23 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def memory(phase: str) -> None:
+    """GPU memory held by this process after `phase` (an event; nothing on a CPU): where a
+    process-wide peak comes from, phase by phase."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        emit("memory", phase=phase, allocated_bytes=torch.cuda.memory_allocated(),
+             peak_bytes=torch.cuda.max_memory_allocated(),
+             reserved_bytes=torch.cuda.memory_reserved())
+
+
 def run_job(job: JobSpec) -> ResultRecord:
     started = utcnow()
     family = get_family(job.model.family)
     out_dir = Path(job.output_dir)
     emit("status", message=f"building {job.model.preset} on {job.model.device}")
     model = family.build_model(job.model)
+    memory("model built")
     caps = DeviceCaps.probe(job.model.device)
     device = torch.device(job.model.device)
 
@@ -53,6 +64,7 @@ def run_job(job: JobSpec) -> ResultRecord:
         t0 = time.perf_counter()
         try:
             engines[spec.name] = family.build_engine(model, built)
+            memory(f"engine {spec.name} built")
         except Refused as exc:
             results[spec.name] = StackResult(stack=spec, status="refused", error=str(exc))
             continue
@@ -70,6 +82,7 @@ def run_job(job: JobSpec) -> ResultRecord:
 
     wl = job.workload
     _warm_up(family, engines, results, wl)
+    memory("warmed up")
     if job.fidelity_steps and engines:
         emit("status", message="teacher-forced fidelity against stock")
         try:
@@ -78,6 +91,7 @@ def run_job(job: JobSpec) -> ResultRecord:
         except Exception as exc:  # fidelity is a report, not a reason to lose the timings
             emit("status", message=f"fidelity failed: {_describe(exc)}")
 
+    memory("fidelity done")
     pairs = list(itertools.product(wl.prompts, wl.seeds))
     total = len(pairs) * len(engines)
     done = 0
@@ -128,6 +142,7 @@ def run_job(job: JobSpec) -> ResultRecord:
                 )
             )
             done += 1
+            memory(f"timed {name} {prompt.id}/{seed}")
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
 
     launches = _launch_metrics(family, engines, results, wl, device)
