@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from orchestrate.api.config import REPO_ROOT, ModelSpec, StackSpec
 from orchestrate.api.registry import build_stack, get, get_family
 from orchestrate.api.technique import BuiltStack, DeviceCaps, Technique
@@ -61,6 +63,7 @@ def locate(obj: Any) -> str:
     return f"{path}:{line}:{target.__qualname__}"
 
 
+@torch.no_grad()  # as the worker builds engines: no autograd history kept
 def explain(spec: StackSpec, model: ModelSpec) -> Explanation:
     """Build stock's engine and the stack's engine for `model` and compare slot by slot."""
     family = get_family(spec.family)
