@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from orchestrate.api.config import SamplingConfig, StackSpec, TechniqueRef
-from orchestrate.api.registry import build_stack, get_family
+from orchestrate.api.registry import build_stack, discover, get, get_family
+from orchestrate.api.technique import DeviceCaps
 from orchestrate.families.rumik import fidelity
 from orchestrate.families.rumik.engine import stock_engine
 from orchestrate.families.rumik.vocab import build_prompt
@@ -14,12 +15,46 @@ from orchestrate.techniques.rumik.static_kv_cache import CapacityError
 
 FAMILY = get_family("rumik")
 
-EXACT_STACKS = [
-    ["static_kv_cache"],
-    ["static_kv_cache", "packed_projections"],
-    ["audio_head"],
-    ["static_kv_cache", "packed_projections", "audio_head"],
-]
+# Teacher forcing exercises the slots on the logits' path; samplers and loops are judged by
+# distribution and token tests of their own (tests/test_gpu.py, tests/test_kernels.py).
+TEACHER_FORCED_SLOTS = {"decoder", "decoder_class", "projections", "attention", "head"}
+
+
+def with_prerequisites(name: str) -> list[str]:
+    """`name` preceded by every technique it must follow (its `after`, recursively)."""
+    out: list[str] = []
+    for before in get(name).after:
+        out += [n for n in with_prerequisites(before) if n not in out]
+    return [*out, name]
+
+
+def exact_stacks() -> list[list[str]]:
+    """Every installed Rumik technique declared exact that runs on a CPU and touches the
+    logits' path, alone (with its prerequisites) and all of them together: derived from the
+    registry, so a new exact technique is tested without editing this list."""
+    cpu = DeviceCaps("cpu")
+    names = [
+        n for n, cls in sorted(discover().items())
+        if cls.family == "rumik" and cls.exact
+        and not any(cpu.missing(r) for r in cls.requires)
+        and TEACHER_FORCED_SLOTS & {*cls.slots, *cls.wraps}
+    ]  # fmt: skip
+    stacks = [with_prerequisites(n) for n in names]
+    together: list[str] = []
+    for stack in stacks:
+        together += [n for n in stack if n not in together]
+    return [*stacks, together] if len(stacks) > 1 else stacks
+
+
+EXACT_STACKS = exact_stacks()
+
+
+def test_the_exact_stacks_cover_the_cpu_exact_techniques():
+    # The derivation must find the built-ins we know are exact on a CPU (a guard against a
+    # filter that silently selects nothing).
+    covered = {n for stack in EXACT_STACKS for n in stack}
+    assert {"static_kv_cache", "packed_projections", "audio_head"} <= covered
+    assert "codebook_head" not in covered  # declared approximate
 
 
 def engine_for(model, names, **params):
