@@ -21,6 +21,10 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 IMMEDIATE = "orchestrate_sqlite_immediate"
 
 
+class SchemaTooNew(RuntimeError):
+    """The database's schema revision is unknown here (written by a newer orchestrate)."""
+
+
 def default_url() -> str:
     return os.environ.get(URL_ENV) or DEFAULT_URL
 
@@ -29,8 +33,9 @@ def make_engine(url: str | None = None) -> Engine:
     """An engine for `url`; SQLite gets WAL, a busy timeout, foreign keys and real BEGINs."""
     url = url or default_url()
     if make_url(url).get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
-    engine = create_engine(url)
+        return create_engine(url, pool_pre_ping=True, hide_parameters=True)
+    # hide_parameters: an error must not print a whole job's JSON (the SQL parameters).
+    engine = create_engine(url, hide_parameters=True)
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
     return engine
@@ -83,7 +88,7 @@ def upgrade(connection: Connection) -> None:
     if current == script.get_current_head():
         return  # the common case: skip running env.py (and alembic's log lines)
     if current is not None and current not in {r.revision for r in script.walk_revisions()}:
-        raise RuntimeError(
+        raise SchemaTooNew(
             f"database schema revision {current!r} is unknown to this version of orchestrate "
             "(was the database written by a newer one?)"
         )

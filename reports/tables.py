@@ -23,7 +23,7 @@ COLUMNS = [
 ]
 
 
-def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
+def stack_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
     """stacks: [{name, status, exact, metrics: {...}, skipped: {...}}], baseline first.
 
     Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
@@ -60,11 +60,39 @@ def stack_table(title: str, stacks: list[dict[str, Any]]) -> Table:
             else:
                 cells.append(fmt.format(m[key]) if key in m else "-")
         valid = f"{int(m.get('valid_recordings', 0))}/{int(m.get('utterances', 0))}" if m else "-"
-        status = s["status"] + (
-            f" (skipped: {', '.join(s['skipped'])})" if s.get("skipped") else ""
-        )
+        # The names and reasons go under the table (skipped_lines): a cell would wrap.
+        status = s["status"] + (f" ({len(s['skipped'])} skipped)" if s.get("skipped") else "")
         table.add_row(s["name"], status, *cells, valid, "yes" if s.get("exact", True) else "APPROX")
     return table
+
+
+def skipped_lines(stacks: list[dict[str, Any]]) -> list[str]:
+    """Under a run's table, one line per partial stack: what it skipped and why (the reason
+    tells a user whether to care), techniques skipped for the same reason together."""
+    lines = []
+    for s in stacks:
+        by_reason: dict[str, list[str]] = {}
+        for technique, why in (s.get("skipped") or {}).items():
+            by_reason.setdefault(why, []).append(technique)
+        if by_reason:
+            parts = [f"{', '.join(names)} ({why})" for why, names in by_reason.items()]
+            lines.append(f"{s['name']}: skipped {'; '.join(parts)}")
+    return lines
+
+
+def error_line(error: str | None, width: int | None = None) -> str:
+    """A run's error as one line, cut at the end to `width` characters: after a traceback,
+    its last line (the exception); otherwise the first line (what happened: an exit status,
+    a signal) and, when there is more, the last non-empty one."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head = lines[0].removesuffix("; last output:")
+    if len(lines) == 1 or any(line.startswith("Traceback (most recent call") for line in lines):
+        text = lines[-1]
+    else:
+        text = f"{head}: {lines[-1]}"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
 def _cell(value: Any, width: int = 60) -> str:

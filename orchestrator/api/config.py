@@ -92,8 +92,16 @@ class LengthPolicy(Strict):
 
 class Prompt(Strict):
     id: str
-    text: str = Field(min_length=1)
+    text: str = Field(description="What is synthesised; empty or whitespace-only is an error.")
     point: str | None = Field(None, description="Operating point (Workload.operating_points).")
+
+    @model_validator(mode="after")
+    def _has_text(self) -> Prompt:
+        # Checked here, not with min_length, so the error can name the prompt: a blank text
+        # would otherwise be synthesised (and timed) as silence.
+        if not self.text.strip():
+            raise ValueError(f"prompt {self.id!r} has no text (empty or only whitespace)")
+        return self
 
 
 class OperatingPoint(Strict):
@@ -214,20 +222,31 @@ def load_model(cls: type[Strict], path: Path) -> Any:
     try:
         return cls.model_validate(_read_yaml(path))
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {_explain(exc)}") from exc
+        raise ConfigError(f"{path}: {explain(exc)}") from exc
 
 
-def _explain(exc: ValidationError) -> str:
+def explain(exc: ValidationError) -> str:
+    """A ValidationError as one line (`where: why; ...`), without pydantic's URLs."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
     return "; ".join(parts)
+
+
+def looks_like_path(name_or_path: str) -> bool:
+    """A name with a slash or a YAML suffix is a path: when it is missing, 'unknown stack'
+    (and a list of names) would send the user looking in the wrong place."""
+    return "/" in name_or_path or Path(name_or_path).suffix in {".yaml", ".yml"}
 
 
 def _resolve(name_or_path: str, folder: Path, kind: str) -> Path:
     path = Path(name_or_path)
-    if path.suffix in {".yaml", ".yml"} and path.exists():
+    if looks_like_path(name_or_path):
+        if not path.exists():
+            raise ConfigError(f"no such file: {name_or_path}")
+        if not path.is_file():
+            raise ConfigError(f"{name_or_path}: not a file (a {kind} is one YAML file)")
         return path
     candidate = folder / f"{name_or_path}.yaml"
     if candidate.exists():
@@ -236,8 +255,13 @@ def _resolve(name_or_path: str, folder: Path, kind: str) -> Path:
     raise ConfigError(f"unknown {kind} {name_or_path!r}; known: {', '.join(known) or 'none'}")
 
 
+def stack_path(name_or_path: str) -> Path:
+    """The file a stack name (experiments/NAME.yaml) or path refers to."""
+    return _resolve(name_or_path, EXPERIMENTS_DIR, "stack")
+
+
 def load_stack(name_or_path: str) -> StackSpec:
-    return load_model(StackSpec, _resolve(name_or_path, EXPERIMENTS_DIR, "stack"))
+    return load_model(StackSpec, stack_path(name_or_path))
 
 
 def load_workload(name_or_path: str) -> Workload:
@@ -253,6 +277,8 @@ def load_model_spec(
     preset_file = models_dir / f"{preset_or_path}.yaml"
     if Path(preset_or_path).suffix in {".yaml", ".yml"} and Path(preset_or_path).is_file():
         preset_file = Path(preset_or_path)
+    if looks_like_path(preset_or_path) and not Path(preset_or_path).exists():
+        raise ConfigError(f"no such file: {preset_or_path}")
     if preset_file.exists():
         spec = load_model(ModelSpec, preset_file)
     elif Path(preset_or_path).is_dir():
@@ -271,7 +297,7 @@ def load_model_spec(
     try:
         return ModelSpec.model_validate({**spec.model_dump(), **updates})
     except ValidationError as exc:
-        raise ConfigError(f"model {preset_or_path!r}: {_explain(exc)}") from exc
+        raise ConfigError(f"model {preset_or_path!r}: {explain(exc)}") from exc
 
 
 SCHEMAS: dict[str, type[Strict]] = {

@@ -77,6 +77,16 @@ class JobSpec(Record):
         description="Where the worker writes WAVs (relative to its cwd or absolute)."
     )
     code_sha: str | None = None
+    # What the SHA alone misses, recorded at planning so `ingest` elsewhere recomputes the
+    # same identity. None where unknown (old records; ORCHESTRATE_CODE_SHA without .git).
+    code_dirty: bool | None = Field(
+        None, description="Uncommitted changes (tracked, or untracked and not ignored)."
+    )
+    code_diff_hash: str | None = Field(None, description="Hash of those changes; None: clean.")
+    technique_code: dict[str, dict[str, str | int | None]] = Field(
+        default_factory=dict,
+        description="technique -> version, distribution and version, source file hash.",
+    )
 
     @property
     def baseline(self) -> StackSpec:

@@ -13,10 +13,12 @@ message that names the technique and the reason.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -230,28 +232,64 @@ def _explain(exc: ValidationError) -> str:
     )
 
 
+def source_hash(cls: type) -> str | None:
+    """Short sha256 of the file that defines `cls` (for a package plugin, that module, not
+    its siblings: the version and the distribution's version cover the rest). None when the
+    class has no readable source file (a compiled module)."""
+    try:
+        path = inspect.getsourcefile(cls)
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else None
+    except (TypeError, OSError):
+        return None
+
+
+def technique_code(stacks: list[StackSpec]) -> dict[str, dict[str, str | int | None]]:
+    """Per technique the stacks name: its version, the distribution that installed it, and
+    its source hash, so a plugin edited without a version bump is a different experiment.
+    Recorded in the job at planning (the stacks must already have been validated)."""
+    names = sorted({t.name for s in stacks for t in s.techniques})
+    return {name: _code_of(name) for name in names}
+
+
+def _code_of(name: str) -> dict[str, str | int | None]:
+    cls = get(name)
+    dist = next((ep.dist for ep in entry_points(group=TECHNIQUES, name=name)), None)
+    return {
+        "version": cls.version,
+        "dist": dist.name if dist else None,
+        "dist_version": dist.version if dist else None,
+        "source": source_hash(cls),
+    }
+
+
 def job_identity(job: JobSpec) -> str:
     """What makes two runs the same experiment: model, workload, stacks with technique
-    versions, protocol and code. A repeated identity is not re-run unless forced."""
-    known = discover()  # a result from a host with other plugins still gets an identity
-    stacks = [
-        {
-            "spec": s.model_dump(mode="json"),
-            "versions": {
-                t.name: known[t.name].version if t.name in known else None for t in s.techniques
-            },
-        }
-        for s in job.stacks
-    ]
+    versions and code, protocol, fidelity steps, the commit and any uncommitted changes.
+    A repeated identity is not re-run unless forced.
+
+    Everything comes from the job itself, so `ingest` on another host gets the identity the
+    planning host saw. A job planned before technique code was recorded falls back to the
+    versions of the plugins installed here."""
+    code = job.technique_code or _installed_versions(job)
     blob = json.dumps(
         {
             "model": job.model.model_dump(mode="json"),
             "workload": job.workload.model_dump(mode="json"),
-            "stacks": stacks,
+            "stacks": [s.model_dump(mode="json") for s in job.stacks],
+            "techniques": code,
             "protocol": job.protocol.content_hash(),
             "code": job.code_sha,
+            "dirty": job.code_dirty,
+            "diff": job.code_diff_hash,
             "strict": job.strict,
+            "fidelity_steps": job.fidelity_steps,
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _installed_versions(job: JobSpec) -> dict[str, dict[str, str | int | None]]:
+    known = discover()  # a result from a host with other plugins still gets an identity
+    names = sorted({t.name for s in job.stacks for t in s.techniques})
+    return {n: {"version": known[n].version if n in known else None} for n in names}

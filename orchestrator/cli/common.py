@@ -8,6 +8,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 # Piped output (scripts, CI logs) gets a wide table instead of one cut to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -23,14 +24,23 @@ DbOpt = Annotated[
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}")
+    # Escaped: messages quote paths, URLs and `pip install x[y]`, which are not markup.
+    err.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
 
 
-def open_store(db: str | None) -> Any:
-    from orchestrate.store.store import Store  # lazily: `worker` must not need SQLAlchemy
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
-    return Store(db)
+
+def open_store(db: str | None) -> Any:
+    """The store at `db`; a database it cannot use ends the command with one line (exit 2)."""
+    from orchestrate.store.store import Store, StoreError  # lazily: `worker` needs no SQL
+
+    try:
+        return Store(db)
+    except StoreError as exc:
+        fail(str(exc))
 
 
 def print_json(obj: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import socket
@@ -9,6 +10,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 
 import torch
@@ -21,27 +23,56 @@ from orchestrate.api.records import EnvironmentInfo
 def git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty). ORCHESTRATE_CODE_SHA wins when set: a copied tree (a GPU host's
     snapshot) may sit inside another checkout whose HEAD is not the code that runs."""
+    state = code_state(with_diff=False)
+    return state.sha, state.dirty
+
+
+@dataclass(frozen=True)
+class CodeState:
+    """The code a job runs: the commit, and what differs from it in this tree."""
+
+    sha: str | None
+    dirty: bool | None  # tracked changes or untracked, not-ignored files; None: unknown
+    diff_hash: str | None  # hash of those changes; None: clean or unknown
+
+
+def code_state(with_diff: bool = True) -> CodeState:
+    """The commit plus, with `with_diff`, a hash of `git diff HEAD` (tracked files) and of
+    the names and contents of untracked files git does not ignore: an uncommitted edit to a
+    technique is a different experiment from the commit's code."""
     if os.environ.get("ORCHESTRATE_CODE_SHA"):
-        return os.environ["ORCHESTRATE_CODE_SHA"], None
+        # A copied tree has no .git of its own (or sits in an unrelated checkout), so what
+        # differs from that commit cannot be read: dirty and the diff hash are unknown (None)
+        # and the identity rests on the SHA and the techniques' source hashes.
+        return CodeState(os.environ["ORCHESTRATE_CODE_SHA"], None, None)
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout
-        return sha, bool(dirty.strip())
+        sha = _git("rev-parse", "HEAD").decode().strip()
+        if not with_diff:
+            changed = _git("status", "--porcelain", "--untracked-files=no")
+            return CodeState(sha, bool(changed.strip()), None)
+        # `-- .`: this project's tree only, as ls-files below sees it from REPO_ROOT.
+        diff = _git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--", ".")
+        untracked = sorted(
+            filter(None, _git("ls-files", "-z", "--others", "--exclude-standard").split(b"\0"))
+        )
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("ORCHESTRATE_CODE_SHA"), None
+        return CodeState(None, None, None)
+    if not (diff or untracked):
+        return CodeState(sha, False, None)
+    digest = hashlib.sha256(diff)
+    for name in untracked:
+        digest.update(b"\0" + name + b"\0")
+        try:
+            digest.update((REPO_ROOT / os.fsdecode(name)).read_bytes())
+        except OSError:  # a nested checkout or unreadable file: its name still counts
+            digest.update(b"<unreadable>")
+    return CodeState(sha, True, digest.hexdigest()[:16])
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, timeout=30, check=True
+    ).stdout
 
 
 def _nvidia_smi() -> dict[str, float | str]:

@@ -12,9 +12,9 @@ from pathlib import Path
 from orchestrate.api.config import ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import JobSpec
-from orchestrate.api.registry import StackError, build_stack
+from orchestrate.api.registry import StackError, build_stack, technique_code
 from orchestrate.api.technique import DeviceCaps
-from orchestrate.running.environment import git_state
+from orchestrate.running.environment import code_state
 
 
 def plan_job(
@@ -39,7 +39,9 @@ def plan_job(
                 f"stack {stack.name!r} is for {stack.family!r}; model is {model.family!r}"
             )
         build_stack(stack, caps, strict=strict)  # raises on anything invalid
-    sha, _ = git_state()
+    if fidelity_steps < 0:  # before pydantic, whose message would name a model, not an option
+        raise ValueError(f"fidelity steps must be >= 0, got {fidelity_steps}")
+    code = code_state()  # everything that changes the measurement is part of the identity
     job = JobSpec(
         model=model,
         workload=workload,
@@ -48,7 +50,10 @@ def plan_job(
         strict=strict,
         fidelity_steps=fidelity_steps,
         output_dir="",
-        code_sha=sha,
+        code_sha=code.sha,
+        code_dirty=code.dirty,
+        code_diff_hash=code.diff_hash,
+        technique_code=technique_code(stacks),
     )
     return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
 

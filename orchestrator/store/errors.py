@@ -21,3 +21,15 @@ class AmbiguousRun(StoreError, LookupError):
 
 class DuplicateRun(StoreError):
     pass
+
+
+class StoreUnavailable(StoreError):
+    """A database, runs folder or MLflow store that cannot be used as given.
+
+    The message is one line naming the thing and the fix; the CLI prints it as it is (exit
+    2), so it must never carry a traceback, SQL or its parameters.
+    """
+
+
+class UnknownSchema(StoreUnavailable, RuntimeError):
+    """The database was written by a newer orchestrate (a RuntimeError, as it always was)."""

@@ -10,7 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
+
+from orchestrate.store import probes
 
 
 class Sessions:
@@ -25,10 +28,16 @@ class Sessions:
     @contextmanager
     def _write(self) -> Iterator[Session]:
         """One write transaction, committed on leaving (rolled back on an exception)."""
-        with Session(self._writer, expire_on_commit=False) as session, session.begin():
-            yield session
+        try:
+            with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                yield session
+        except OperationalError as exc:  # the database went away, read-only, full, locked
+            raise probes.unavailable(exc, probes.database(self.url)) from exc
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
-        with Session(self._engine) as session:
-            yield session
+        try:
+            with Session(self._engine) as session:
+                yield session
+        except OperationalError as exc:
+            raise probes.unavailable(exc, probes.database(self.url)) from exc

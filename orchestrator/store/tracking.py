@@ -1,31 +1,57 @@
 """MLflow logging of a recorded run: one parent run per comparison, one child per stack.
 
 Imported lazily (mlflow is slow to import and the worker side never needs it). Runs are
-logged through an explicit MlflowClient, so nothing here changes mlflow's global state.
-The tracking store is $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite; no server needed).
+logged through an explicit MlflowClient; the only global state touched is MLflow's own retry
+limits (bounded below). The tracking store is $MLFLOW_TRACKING_URI, else ./mlflow.db (SQLite;
+no server needed).
+
+MLflow is best effort: the database is written first, `log_run_bounded` gives up after a few
+seconds, and `orchestrate sync-mlflow` logs what was missed. A store is created (its schema
+migrated) and written under an inter-process lock, so runs started together cannot race
+MLflow's store creation (`table _alembic_tmp_experiments already exists`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import mlflow.store.db.utils as mlflow_db_utils
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from orchestrate.api.records import ResultRecord, StackResult, flatten
+from orchestrate.store import probes
+from orchestrate.store.errors import StoreUnavailable
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB = "mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 MAX_PARAM_CHARS = 6000  # MLflow refuses longer param values
 BATCH = 100  # MLflow's per-call limit on params and tags
+ATTEMPTS, RETRY_PAUSE_S = 2, 1.0  # log_run_bounded's tries, then sync-mlflow takes over
+LOCK_WAIT_S = 300.0  # how long to wait for another process logging to the same store
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQLAlchemy stores
+
+# MLflow's own retries: 10 attempts (~100 s of sleeps) to open a SQL store and 7 HTTP retries
+# with backoff factor 2 (minutes), each time for a store that is misconfigured, not flaky.
+# Bounded here (users' own environment settings win); log_run_bounded retries briefly.
+mlflow_db_utils.MAX_RETRY_COUNT = min(mlflow_db_utils.MAX_RETRY_COUNT, 2)
+for _knob, _value in (
+    ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"),
+    ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+    ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
+):
+    os.environ.setdefault(_knob, _value)
 
 
 def tracking_uri() -> str:
@@ -37,8 +63,98 @@ def tracking_uri() -> str:
     return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
 
 
+# Tracking URIs whose store this process has opened (so created and migrated, under the lock).
+_opened: set[str] = set()
+
+
 def client() -> MlflowClient:
-    return MlflowClient(tracking_uri=tracking_uri())
+    """A client of the tracking store; the first in a process opens the store under the lock,
+    as opening creates or migrates it."""
+    uri = tracking_uri()
+    if uri in _opened:
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):
+        mlf = MlflowClient(tracking_uri=uri)  # builds the store: creates or migrates it
+    _opened.add(uri)
+    return mlf
+
+
+def target() -> probes.Target:
+    return probes.Target(
+        "MLflow store",
+        tracking_uri(),
+        "set MLFLOW_TRACKING_URI or pass --no-mlflow",
+        "set MLFLOW_TRACKING_URI to a new file",
+    )
+
+
+def probe() -> None:
+    """Raise StoreUnavailable (one line) unless the tracking store opens and can be read;
+    run before a worker starts, so a bad MLFLOW_TRACKING_URI costs no measurement."""
+    where = target()
+    scheme = where.url.split(":", 1)[0].split("+", 1)[0] if ":" in where.url else ""
+    if scheme in SQL_SCHEMES:
+        probes.check_url(where, create_parent=True)  # as for the run database
+    elif scheme in ("", "file"):  # a folder of runs (MLflow's file store)
+        path = Path(where.url.removeprefix("file://").removeprefix("file:"))
+        probes.check_folder(path, f"{where.what}", where.fix)
+    try:
+        client().search_experiments(max_results=1)
+    except Exception as exc:
+        raise probes.unavailable(exc, where) from exc
+
+
+@contextmanager
+def store_lock(uri: str | None = None) -> Iterator[None]:
+    """Hold an inter-process lock keyed by the tracking URI (a file in the temp folder, so
+    it works when the store's own folder is read-only or remote). Not re-entrant."""
+    key = hashlib.sha256((uri or tracking_uri()).encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"orchestrate-mlflow-{key}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:  # another user's lock file: flock needs only a read descriptor
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"MLflow store {uri} stayed locked by another orchestrate process for "
+                        f"{LOCK_WAIT_S:.0f} s (lock file {path})"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def log_run_bounded(
+    result: ResultRecord,
+    run_id: str,
+    comparisons: dict[str, dict[str, float]] | None = None,
+    result_path: Path | None = None,
+    audio_dir: Path | None = None,
+) -> tuple[str, dict[str, str]]:
+    """log_run under the store lock, tried twice RETRY_PAUSE_S apart (a blip, not an outage:
+    sync-mlflow is for those); returns the parent MLflow run id and the stacks' child ids.
+    A failed attempt's MLflow runs are left FAILED."""
+    for attempt in range(ATTEMPTS):
+        try:
+            client()  # opens (creates) the store under the lock, outside the logging lock
+            with store_lock():  # one writer per store: SQLite stores fail under contention
+                parent = log_run(result, run_id, comparisons, result_path, audio_dir)
+                return parent, stack_run_ids(parent)
+        except StoreUnavailable:
+            raise
+        except Exception:
+            if attempt + 1 == ATTEMPTS:
+                raise
+            time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
 
 
 def experiment_name(result: ResultRecord) -> str:
