@@ -1,11 +1,12 @@
 """Figures regenerated from stored records (matplotlib, Agg): never drawn by hand.
 
-- frontier.png: speedup vs stock per experiment, the cumulative best unflagged speedup as a
-  step line, alerts hollow red and unverified points hollow grey;
+- frontier.png: the headline speedup vs stock (paired, as stored) per experiment, the
+  cumulative best unflagged speedup as a step line, alerts (noisy runs included) hollow red
+  and unverified points hollow grey;
 - pareto.png: speedup against a quality delta vs stock, the Pareto set joined;
 - quality_screen.png: stock vs candidates on WER, CER, MOS and SIM (one scored run);
 - holdout_deltas.png: each holdout evaluation's delta vs stock against the gate bands;
-- ladder.png: the newest run's stacks, speed (S or RTF) with speedups vs A and B;
+- ladder.png: the newest run's stacks, speed (S or RTF) with aggregate ratios vs A and B;
 - throughput.png: utterances/s against batch size, one line per serving path.
 manifest.json records which runs, protocol and database every figure came from.
 """
@@ -89,7 +90,7 @@ def frontier_figure(data: Frontier, path: Path) -> Path:
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # experiments are counted
     ax.set_xlim(-0.5, max(len(data.points) - 0.5, 4.5))
-    ax.set_ylabel("speedup vs stock (RTF ratio)")
+    ax.set_ylabel("speedup vs stock (paired geometric mean)")
     ax.set_title(
         f"Speed frontier · {data.workload} · {data.hardware}\nprotocol {data.protocol}", fontsize=10
     )
@@ -122,7 +123,7 @@ def pareto_figure(data: Frontier, path: Path, protocol: Protocol) -> Path:
             ls="--", zorder=2)  # fmt: skip
     better = protocol.quality.metrics[metric].better
     ax.set_xlabel(f"Δ {metric} vs stock ({better} is better)")
-    ax.set_ylabel("speedup vs stock")
+    ax.set_ylabel("speedup vs stock (paired geometric mean)")
     ax.set_title(f"Speed vs quality · {data.workload}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -236,7 +237,8 @@ def ladder_figure(rungs: list[Rung], path: Path, title: str) -> Path:
     ax.barh([r.stack for r in rungs], [r.value for r in rungs], color=colors)
     ax.set_xscale("log")
     for i, r in enumerate(rungs):
-        label = "  " + " · ".join(f"{x:.2f}x vs {ref}" for ref, x in r.speedups.items())
+        ratio = "S ratio" if r.metric == "S" else "RTF ratio (aggregate)"  # not the headline
+        label = "  " + " · ".join(f"{ratio} {x:.2f}x vs {ref}" for ref, x in r.speedups.items())
         ax.text(r.value, i, label, va="center", fontsize=8)
     ax.set_xlabel(f"{rungs[0].metric} (log scale; lower is faster; grey: approximate)")
     ax.set_title(title)

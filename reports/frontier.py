@@ -7,9 +7,13 @@ experiment point in time order. A point is:
   is exact and inside fidelity tolerance (its outputs are stock's by construction);
 - 'alert': a gate or coverage fails on its scores, an exact stack left fidelity tolerance,
   the stack failed a phase gate on quality, or it was flagged for holdout reuse;
-- 'unverified': approximate and unscored: its speed says nothing about its quality yet.
-The frontier is the cumulative best speedup over 'pass' points only; the rest are drawn
-apart, like the hollow point of a research write-up's Figure 1.
+- 'unverified': approximate (or declared exact with fidelity not measured) and unscored:
+  its speed says nothing about its quality yet.
+A point from a noisy run (metrics.noise_reasons) is an 'alert' too: its speed is not to be
+trusted. The frontier is the cumulative best speedup over 'pass' points only; the rest are
+drawn apart, like the hollow point of a research write-up's Figure 1. A point's speedup is
+the headline stored with its run (`speedup_paired`, with its CI): the number `show`, `gate`
+and `ledger` print.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from orchestrate.research.decide import (
 from orchestrate.research.holdout import list_audits
 from orchestrate.research.noise import AA_SUFFIX
 from orchestrate.research.scoring_run import load_rows, stack_quality
+from orchestrate.running.metrics import AGGREGATE, HEADLINE, exactness, noise_reasons
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
@@ -51,6 +56,11 @@ class Point:
     status: Status
     reasons: list[str]
     deltas: dict[str, float] = field(default_factory=dict)  # candidate - stock, if scored
+    ci_low: float | None = None  # the headline's CI, as stored
+    ci_high: float | None = None
+    rtf_ratio: float | None = None  # the aggregate RTF ratio, shown beside it only
+    exactness: str = "exact"  # metrics.exactness: exact, failed, unmeasured, approximate
+    noisy: list[str] = field(default_factory=list)  # metrics.noise_reasons of its run
 
 
 @dataclass
@@ -121,6 +131,9 @@ def collect(
         if result.results[0].stack.techniques:
             excluded["baseline is not stock"] += 1
             continue
+        if not any(HEADLINE in sr.metrics for sr in result.results[1:]):
+            excluded[f"no {HEADLINE} stored (no paired utterances, or an older record)"] += 1
+            continue
         points += _points(store, run["id"], phase, result, protocol, flagged, len(points))
     return _finish(
         workload, wanted_model, hardware, protocol, points, pareto_metric, dict(excluded)
@@ -139,13 +152,15 @@ def _points(
     rows = load_rows(store, run_id)
     quality = stack_quality(result, rows, protocol) if rows else None
     stock = result.results[0]
+    noisy = [r for sr in result.results[1:] for r in noise_reasons(sr.stack.name, sr.metrics)]
     out = []
     for sr in result.results[1:]:
-        speedup = sr.metrics.get("speedup_vs_baseline")
+        speedup = sr.metrics.get(HEADLINE)  # the stored headline: no estimate of our own
         if sr.stack.name.endswith(AA_SUFFIX) or sr.status in ("failed", "refused") or not speedup:
             continue  # crashes live in the failure ledger, not on a speed plot
         spec_hash = sr.stack.content_hash()
         reasons = list(flagged.get(spec_hash, []))
+        reasons += [f"noisy run: {n}" for n in noisy]
         deltas: dict[str, float] = {}
         if quality is not None:
             q_stock, q_cand = quality[stock.stack.name], quality[sr.stack.name]
@@ -158,11 +173,18 @@ def _points(
             checks.append(check_coverage(q_stock, q_cand, protocol.quality))
             reasons += [f"{c.metric}: {c.why}" for c in checks if not c.passed]
         fid = sr.fidelity
-        if sr.exact and fid is not None and not fid.within_tolerance:
-            reasons.append("exact stack outside fidelity tolerance")
+        exact = exactness(
+            sr.exact, None if fid is None else fid.within_tolerance, len(sr.stack.techniques)
+        )
+        if exact == "failed":
+            reasons.append("exact stack outside fidelity tolerance (exactness failed)")
         status: Status = "alert" if reasons else "pass"
-        if not reasons and not sr.exact and (quality is None or not protocol.quality.gates):
+        unscored = quality is None or not protocol.quality.gates
+        if not reasons and not sr.exact and unscored:
             status, reasons = "unverified", ["approximate; quality not scored against gates"]
+        if not reasons and exact == "unmeasured" and unscored:
+            # the plugin's claim alone: no fidelity measured it, no scores either
+            status, reasons = "unverified", ["declared exact, fidelity not measured; unscored"]
         out.append(
             Point(
                 start + len(out),
@@ -176,6 +198,11 @@ def _points(
                 status,
                 reasons,
                 deltas,
+                ci_low=sr.metrics.get(f"{HEADLINE}_lo"),
+                ci_high=sr.metrics.get(f"{HEADLINE}_hi"),
+                rtf_ratio=sr.metrics.get(AGGREGATE),
+                exactness=exact,
+                noisy=noisy,
             )
         )
     return out

@@ -4,6 +4,8 @@ Causes: slower (not faster than noise), gate (which quality gate, or holdout reu
 oom, compile, refused (a stack this device cannot run whole), interrupted. Rows come from
 the store's failures table (written when runs are recorded and when decisions are made);
 verdicts and champions come from their own tables. Regenerated from records, never edited.
+Speedups are the headline stored with the runs (`speedup_paired` and its CI, as the gate
+recorded it in the decision's evidence); a row of a noisy run says so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrate.api.protocol import split_phase
 from orchestrate.api.records import utcnow
+from orchestrate.reports.tables import headline_cell, run_noise
 from orchestrate.research.decide import list_champions, list_decisions
+from orchestrate.running.metrics import headline_label
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
@@ -42,9 +46,27 @@ def entries(
                 "phase": split_phase(run["workload_name"])[1] if run else None,
                 "protocol_version": run["protocol_version"] if run else None,
                 "protocol_hash": run["protocol_hash"] if run else None,
+                "noisy": run_noise(run) if run else [],
             }
         )
     return out
+
+
+def _headline(decision: dict[str, Any] | None, speedup: float | None = None) -> str:
+    """The decision's stored headline (its evidence), else the bare speedup it recorded."""
+    stored = ((decision or {}).get("reasons") or {}).get("headline") or {}
+    if stored:
+        return headline_cell(stored)
+    return "-" if speedup is None else f"{speedup:.2f}x"
+
+
+def champion_rows(store: Store) -> list[dict[str, Any]]:
+    """Champions, oldest first, each with `headline`: its stored speedup and CI."""
+    decisions = {d["id"]: d for d in list_decisions(store)}
+    return [
+        {**c, "headline": _headline(decisions.get(c["decision_id"]), c["speedup"])}
+        for c in list_champions(store)
+    ]
 
 
 def _cell(text: Any, limit: int = DETAIL_CHARS) -> str:
@@ -83,30 +105,37 @@ def render(
             lines.append(
                 f"| {_when(f['created_at'])} | {_cell(f['stack_name'] or '(whole run)')} | "
                 f"{f['cause']} | {_cell(f['workload'])} | {proto} | "
-                f"{(f['run_id'] or '')[:8]} | {_cell(f['detail'])} |"
+                f"{(f['run_id'] or '')[:8]}{' (noisy)' if f.get('noisy') else ''} | "
+                f"{_cell(f['detail'])} |"
             )
     else:
         lines.append("No failures recorded.")
     lines += ["", "## Decisions", ""]
     if decisions:
-        lines += ["| when | stack | verdict | workload | hardware | why |", *["| --- " * 6 + "|"]]
+        lines += [
+            f"| when | stack | verdict | {headline_label()} vs stock | workload | hardware | why |",
+            "| --- " * 7 + "|",
+        ]
         for d in decisions:
             causes = d["reasons"].get("causes") or {}
             why = "; ".join(f"{k}: {v}" for k, v in causes.items()) or "every gate held"
             lines.append(
                 f"| {_when(d['created_at'])} | {_cell(d['stack'])} | **{d['verdict']}** | "
-                f"{_cell(d['workload_name'])} | {_cell(d['hardware'])} | {_cell(why)} |"
+                f"{_headline(d)} | {_cell(d['workload_name'])} | {_cell(d['hardware'])} | "
+                f"{_cell(why)} |"
             )
     else:
         lines.append("No phase-gate decisions yet.")
     lines += ["", "## Champions (newest last)", ""]
     if champions:
-        lines += ["| since | model | workload | hardware | stack | speedup vs stock |"]
+        lines += [f"| since | model | workload | hardware | stack | {headline_label()} vs stock |"]
         lines += ["| --- " * 6 + "|"]
+        by_id = {d["id"]: d for d in decisions}
         for c in champions:
             lines.append(
                 f"| {_when(c['created_at'])} | {_cell(c['model'])} | {_cell(c['workload_name'])} "
-                f"| {_cell(c['hardware'])} | {_cell(c['stack_name'])} | {c['speedup']:.2f}x |"
+                f"| {_cell(c['hardware'])} | {_cell(c['stack_name'])} | "
+                f"{_headline(by_id.get(c['decision_id']), c['speedup'])} |"
             )
     else:
         lines.append("No champion yet: stock serves.")

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+
+from orchestrate.running.metrics import (
+    AGGREGATE,
+    AGGREGATE_LABEL,
+    EXACT_CELL,
+    HEADLINE,
+    exactness,
+    headline_label,
+    noise_reasons,
+)
 
 if TYPE_CHECKING:
     from orchestrate.reports.run_diff import RunDiff
@@ -19,12 +30,50 @@ COLUMNS = [
     ("ms_per_token", "ms/tok", "{:.2f}"),
     ("achieved_gb_s", "GB/s", "{:.0f}"),
     ("fraction_of_floor", "of floor", "{:.0%}"),
-    ("speedup_vs_baseline", "speedup", "{:.2f}x"),
+    (HEADLINE, "speedup", ""),  # header and cell: headline_label, headline_cell
+    (AGGREGATE, AGGREGATE_LABEL, "{:.2f}x"),
 ]
+# What a fidelity figure covers, unless the family says (a `fidelity_covers` attribute):
+# the teacher-forced pass runs the model's step (decoder, projections, attention, head),
+# never the sampler or the generation loop, so it cannot vouch for an exact claim there.
+UNCOVERED_SLOTS = ("sampler", "loop")
 
 
-def stack_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
-    """stacks: [{name, status, exact, metrics: {...}, skipped: {...}}], baseline first.
+def headline_cell(m: Mapping[str, float], suffix: str = "") -> str:
+    """The stored headline as printed everywhere: `1.82x [1.70, 1.95]`."""
+    point = m.get(HEADLINE + suffix)
+    if point is None:
+        return "-"
+    lo, hi = m.get(f"{HEADLINE}_lo{suffix}"), m.get(f"{HEADLINE}_hi{suffix}")
+    return f"{point:.2f}x" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
+
+
+def stack_exactness(s: Mapping[str, Any]) -> str:
+    """A stored stack's (get_run row) measured exactness: metrics.exactness."""
+    fid = s.get("fidelity")
+    techniques = len((s.get("spec") or {}).get("techniques", [None]))
+    within = None if not fid else bool(fid["within_tolerance"])
+    return exactness(bool(s.get("exact", True)), within, techniques)
+
+
+def run_noise(run_row: Mapping[str, Any]) -> list[str]:
+    """Why a stored run's headline is not to be trusted (metrics.noise_reasons), or []."""
+    return [r for s in run_row.get("stacks", []) for r in noise_reasons(s["name"], s["metrics"])]
+
+
+def annotate(run_row: dict[str, Any]) -> dict[str, Any]:
+    """A get_run row with the verdicts `show --json` carries: per stack `exactness`
+    (exact, failed, unmeasured, approximate) and the run's `noisy` reasons ([]: clean)."""
+    for s in run_row.get("stacks", []):
+        s["exactness"] = stack_exactness(s)
+    run_row["noisy"] = run_noise(run_row)
+    return run_row
+
+
+def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: float = 0.95) -> Table:
+    """stacks: [{name, status, exact, spec, fidelity, metrics: {...}, skipped: {...}}],
+    baseline first. The speedup column is the stored headline (paired, with its CI); the
+    aggregate RTF ratio stands beside it, labelled as such.
 
     Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
     declared `baseline: true`) appear when some stack has them."""
@@ -33,12 +82,10 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
     table.add_column("status")
     present = {k for s in stacks for k in s.get("metrics", {})}
     refs = sorted(
-        k.removeprefix("speedup_vs_")
-        for k in present
-        if k.startswith("speedup_vs_") and k != "speedup_vs_baseline"
+        k.removeprefix(f"{HEADLINE}_vs_") for k in present if k.startswith(f"{HEADLINE}_vs_")
     )
     # A column no stack has (per-token floors on OmniVoice, say) is left out, not dashed.
-    always = {"median_latency_s", "rtf", "speedup_vs_baseline"}
+    always = {"median_latency_s", "rtf", HEADLINE, AGGREGATE}
     columns = [c for c in COLUMNS if c[0] in present or c[0] in always]
     columns += [("S", "S", "{:.4f}")] * ("S" in present)
     if "ms_per_forward" in present:  # whole-sequence forwards (OmniVoice's steps)
@@ -46,24 +93,47 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
             ("ms_per_forward", "ms/fwd", "{:.2f}"),
             ("forward_fraction_of_floor", "fwd of floor", "{:.0%}"),
         ]
-    columns += [(f"speedup_vs_{r}", f"vs {r}", "{:.2f}x") for r in refs]
-    for _, header, _ in columns:
-        table.add_column(header, justify="right")
+    columns += [(f"{HEADLINE}_vs_{r}", f"vs {r} (paired)", "") for r in refs]
+    for key, header, _ in columns:
+        table.add_column(headline_label(confidence) if key == HEADLINE else header, justify="right")
     table.add_column("valid", justify="right")
     table.add_column("exact")
     for i, s in enumerate(stacks):
         m = s.get("metrics", {})
         cells = []
         for key, _, fmt in columns:
-            if key == "speedup_vs_baseline" and i == 0:
+            if key in (HEADLINE, AGGREGATE) and i == 0:
                 cells.append("baseline")
+            elif key.startswith(HEADLINE):
+                cells.append(headline_cell(m, key.removeprefix(HEADLINE)))
             else:
                 cells.append(fmt.format(m[key]) if key in m else "-")
         valid = f"{int(m.get('valid_recordings', 0))}/{int(m.get('utterances', 0))}" if m else "-"
         # The names and reasons go under the table (skipped_lines): a cell would wrap.
         status = s["status"] + (f" ({len(s['skipped'])} skipped)" if s.get("skipped") else "")
-        table.add_row(s["name"], status, *cells, valid, "yes" if s.get("exact", True) else "APPROX")
+        status += " · noisy" if noise_reasons(s["name"], m) else ""
+        table.add_row(s["name"], status, *cells, valid, EXACT_CELL[stack_exactness(s)])
     return table
+
+
+def fidelity_scope(family: str | None) -> str:
+    """One line saying what a run's fidelity figures cover (and so what `exact` rests on)."""
+    from orchestrate.api.registry import get_family
+
+    try:
+        fam: Any = get_family(family or "")
+    except Exception:  # not installed here: say what the core knows
+        fam = None
+    covers = getattr(fam, "fidelity_covers", None)
+    if covers:
+        return f"fidelity covers: {covers}"
+    slots = [s for s in getattr(fam, "slots", ()) if s not in UNCOVERED_SLOTS]
+    missing = [s for s in getattr(fam, "slots", UNCOVERED_SLOTS) if s in UNCOVERED_SLOTS]
+    return (
+        "fidelity covers: teacher-forced next-step logits vs stock"
+        + (f" ({', '.join(slots)} slots)" if slots else "")
+        + (f"; not the {' or '.join(missing)} slots" if missing else "")
+    )
 
 
 def skipped_lines(stacks: list[dict[str, Any]]) -> list[str]:

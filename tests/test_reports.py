@@ -301,11 +301,11 @@ def test_noise_gate_ledger_frontier_figures_on_the_tiny_model(tmp_path: Path) ->
     assert out["min_speedup"] >= 1.0
     assert "version: 2" in (tmp_path / "protocol.yaml").read_text()
 
-    report = json.loads(
-        cli(["gate", "--stack", "cpu-fast", "--holdout", "holdout.yaml", "--json", *common],
-            env, tmp_path).stdout
-    )  # fmt: skip
+    gated = cli(["gate", "--stack", "cpu-fast", "--holdout", "holdout.yaml", "--json", *common],
+                env, tmp_path, ok=False)  # fmt: skip
+    report = json.loads(gated.stdout)
     verdict = report["verdict"]
+    assert gated.returncode == (0 if verdict["verdict"] == "accept" else 3)  # documented codes
     with Store(env["ORCHESTRATE_DB_URL"]) as store:
         audits = holdout.list_audits(store)
         if verdict["verdict"] == "accept":  # timing on a shared 2-core box decides which

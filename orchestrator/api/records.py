@@ -87,6 +87,16 @@ class JobSpec(Record):
         default_factory=dict,
         description="technique -> version, distribution and version, source file hash.",
     )
+    # A resumed job (`orchestrate run --resume`): the same measurement as the run it
+    # continues, which the worker completes instead of starting over. Not part of the
+    # identity: a resumed run measures the same experiment.
+    resumed_from: str | None = Field(
+        None, description="Run id of the INTERRUPTED or FAILED run this job continues."
+    )
+    carried: dict[str, list[UtteranceRecord]] = Field(
+        default_factory=dict,
+        description="stack -> utterances that run measured (marked resumed); not re-timed.",
+    )
 
     @property
     def baseline(self) -> StackSpec:
@@ -152,6 +162,9 @@ class UtteranceRecord(Record):
     finite: bool = True
     peak_abs: float = 0.0
     clipped_samples: int = 0
+    resumed: bool = Field(
+        False, description="Measured by the run this one resumed (carried over, not re-timed)."
+    )
 
 
 class FidelityRecord(Record):

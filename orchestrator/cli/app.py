@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import BaseModel
@@ -42,9 +42,9 @@ app = typer.Typer(
 @app.command()
 def run(
     stack: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option("--stack", "-s", help="Stack name (experiments/) or YAML path; repeatable."),
-    ],
+    ] = None,
     baseline: Annotated[
         str | None,
         typer.Option(help="Stack every other stack is compared against (default: the family's)."),
@@ -74,8 +74,19 @@ def run(
     ] = 32,
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
     runs_dir: Annotated[
-        Path, typer.Option(help="Where jobs, results and WAVs are written.")
-    ] = Path("runs"),
+        Path | None,
+        typer.Option(
+            help="Where jobs, results and WAVs are written (default: runs; with --resume, "
+            "beside the resumed run's folder)."
+        ),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Continue an INTERRUPTED or FAILED run (id or prefix) from the utterances it "
+            "measured, as a new run; takes no other job options."
+        ),
+    ] = None,
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -86,6 +97,13 @@ def run(
     from orchestrate.running.plan import plan_job, prefix_stack
     from orchestrate.running.runner import Interrupted, execute
 
+    if resume is not None:
+        given = locals()
+        job_options = {k: given[k] for k in _JOB_OPTIONS}
+        return _resume_run(resume, job_options, runs_dir, mlflow, db, as_json)
+    if not stack:
+        fail("missing option --stack (name the stacks to measure, or --resume RUN)")
+    runs_dir = runs_dir or Path("runs")
     try:
         _check_options(device=device, dtype=dtype, fidelity_steps=fidelity_steps)
         spec = load_model_spec(model, device=device, dtype=dtype)
@@ -119,18 +137,93 @@ def run(
         with _progress(quiet=as_json) as on_event:
             outcome = execute(job, store, runs_dir, track=mlflow, force=force, on_event=on_event)
     except (KeyboardInterrupt, Interrupted) as exc:
-        why = str(exc) or "Ctrl-C"  # a KeyboardInterrupt has no message
-        fail(f"interrupted ({why}); the run is marked INTERRUPTED", 130)
+        _interrupted(exc)
+    from orchestrate.reports.tables import annotate
+
     if outcome.reused:
         msg = f"identical experiment already recorded as run {outcome.run_id}; --force re-runs it"
         print_json({"run_id": outcome.run_id, "reused": True}) if as_json else console.print(msg)
+        if strict:  # the recorded run answers for --strict as a fresh one would
+            _strict_exactness(annotate(store.get_run(outcome.run_id, utterances=False)))
         return
     if outcome.error:  # one line (it names the worker log); the whole output stays there
         fail(f"run {outcome.run_id[:12]} failed: {error_line(outcome.error)}", 1)
-    if as_json:
-        print_json(store.get_run(outcome.run_id))
-    else:
-        _show(store.get_run(outcome.run_id))
+    run_row = annotate(store.get_run(outcome.run_id))
+    print_json(run_row) if as_json else _show(run_row)
+    if outcome.status == "failed":
+        raise typer.Exit(1)
+    if strict:
+        _strict_exactness(run_row)
+
+
+EXIT_NOT_EXACT = 3  # `run --strict`: a stack declared exact measured outside tolerance
+
+
+def _strict_exactness(run_row: dict[str, Any]) -> None:
+    """--strict holds exact claims to their measurement: exit EXIT_NOT_EXACT, naming them."""
+    failed = [s["name"] for s in run_row["stacks"] if s.get("exactness") == "failed"]
+    if failed:
+        fail(
+            f"--strict: {', '.join(failed)} declared exact but measured outside fidelity "
+            f"tolerance (exactness failed)",
+            EXIT_NOT_EXACT,
+        )
+
+
+# `run`'s options that define a job (and their defaults): --resume re-runs a recorded job,
+# so none of them may be given with it.
+_JOB_OPTIONS = {
+    "stack": None, "baseline": None, "model": "tiny", "workload": None, "device": None,
+    "dtype": None, "strict": False, "prefixes": False, "force": False, "fidelity_steps": 32,
+}  # fmt: skip
+
+
+def _interrupted(exc: BaseException) -> NoReturn:
+    why = str(exc) or "Ctrl-C"  # a KeyboardInterrupt has no message
+    fail(f"interrupted ({why}); the run is marked INTERRUPTED", 130)
+
+
+def _resume_run(
+    ref: str,
+    job_options: dict[str, Any],
+    runs_dir: Path | None,
+    mlflow: bool,
+    db: str | None,
+    as_json: bool,
+) -> None:
+    """`run --resume RUN`: the recorded job again, in a new run that keeps what RUN measured
+    (runner.plan_resume); refused with one line (exit 2) when that would mix measurements."""
+    from orchestrate.reports.tables import annotate, error_line
+    from orchestrate.running.runner import Interrupted, ResumeRefused, execute, plan_resume
+    from orchestrate.store.errors import RunNotFound
+
+    given = [k for k, default in _JOB_OPTIONS.items() if job_options[k] not in (default, [])]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        fail(f"--resume re-runs the recorded job as it was; drop {flags}")
+    store = open_store(db)
+    try:
+        job, old_folder = plan_resume(store, ref)
+    except (ResumeRefused, RunNotFound) as exc:
+        fail(str(exc))
+    try:
+        with _progress(quiet=as_json) as on_event:
+            outcome = execute(
+                job, store, runs_dir or old_folder.parent, track=mlflow, force=True,
+                on_event=on_event, recordings_from=old_folder,
+            )  # fmt: skip
+    except (KeyboardInterrupt, Interrupted) as exc:
+        _interrupted(exc)
+    if outcome.error:
+        fail(f"run {outcome.run_id[:12]} failed: {error_line(outcome.error)}", 1)
+    run_row = annotate(store.get_run(outcome.run_id))
+    carried = sum(len(u) for u in job.carried.values())
+    if not as_json:
+        console.print(
+            f"run {outcome.run_id[:12]} resumes run {str(job.resumed_from)[:12]}: {carried} "
+            "utterances carried over, warm-up and fidelity redone"
+        )
+    print_json(run_row) if as_json else _show(run_row)
     if outcome.status == "failed":
         raise typer.Exit(1)
 
@@ -288,30 +381,52 @@ def show(
         run_row = open_store(db).get_run(run_id)
     except (KeyError, LookupError, ValueError) as exc:
         fail(str(exc))
-    print_json(run_row) if as_json else _show(run_row)
+    from orchestrate.reports.tables import annotate
+
+    print_json(annotate(run_row)) if as_json else _show(run_row)
 
 
 def _show(run_row: dict[str, Any]) -> None:
     from rich.markup import escape
 
-    from orchestrate.reports.tables import error_line, skipped_lines, stack_table
+    from orchestrate.reports.tables import (
+        annotate,
+        error_line,
+        fidelity_scope,
+        skipped_lines,
+        stack_table,
+    )
 
+    run_row = annotate(run_row)
     title = (
         f"run {run_row['id'][:12]} · {run_row['status']} · {run_row.get('workload_name')} · "
         f"{(run_row.get('environment') or {}).get('device_name', '')}"
-    )
+    ) + (" · NOISY" if run_row["noisy"] else "")
+    protocol = (run_row.get("job") or {}).get("protocol") or {}
+    confidence = (protocol.get("speed") or {}).get("confidence", 0.95)
     if run_row.get("error"):  # a failed or interrupted run: say why under the title
         console.print(escape(title), style="bold", highlight=False)
         console.print(f"[red]error: {escape(error_line(run_row['error']))}[/red]", soft_wrap=True)
         if len(run_row["error"].splitlines()) > 1:
             console.print(f"[dim]full text: orchestrate show {run_row['id'][:12]} --json[/dim]")
     if run_row["stacks"]:
-        console.print(stack_table(None if run_row.get("error") else title, run_row["stacks"]))
+        table_title = None if run_row.get("error") else title
+        console.print(stack_table(table_title, run_row["stacks"], confidence))
     for line in skipped_lines(run_row["stacks"]):  # soft_wrap: one line each, however long
         console.print(escape(line), highlight=False, soft_wrap=True)
+    for reason in run_row["noisy"]:  # why the speedups above are not to be trusted
+        console.print(f"[yellow]noisy: {escape(reason)}[/yellow]", soft_wrap=True)
+    fidelities = [s for s in run_row["stacks"] if s.get("fidelity")]
+    if fidelities:
+        console.print(f"[dim]{escape(fidelity_scope(run_row.get('family')))}[/dim]")
     for s in run_row["stacks"]:
         if s.get("error"):
             console.print(f"[red]{escape(s['name'])}: {escape(s['error'])}[/red]")
+        if s["exactness"] == "failed":  # the plugin's claim, contradicted by the measurement
+            console.print(
+                f"[red]{escape(s['name'])}: declared exact, measured outside fidelity "
+                "tolerance: exactness failed[/red]"
+            )
         fid = s.get("fidelity")
         if fid and (s["position"] > 0 or s.get("applied")):  # stock vs itself says nothing
             verdict = "within tolerance" if fid["within_tolerance"] else "OUTSIDE tolerance"

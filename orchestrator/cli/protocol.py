@@ -32,6 +32,11 @@ from orchestrate.api.protocol import load_protocol
 from orchestrate.api.registry import StackError
 from orchestrate.cli.common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
 from orchestrate.research import gate as gate_pipeline
+from orchestrate.running.metrics import AGGREGATE, AGGREGATE_LABEL, EXACT_CELL, headline_label
+
+# `orchestrate gate` exits 0 on accept and EXIT_RETAIN on retain (2: bad input or storage,
+# 1: scoring failed, 130: interrupted); README "Exit codes".
+EXIT_RETAIN = 3
 
 ProtocolOpt = Annotated[
     str, typer.Option("--protocol", help="Protocol name (configs/) or YAML path.")
@@ -289,15 +294,30 @@ def gate(
         fail(f"scoring failed: {exc}", 1)
     except (KeyboardInterrupt, Interrupted) as exc:
         fail(f"interrupted; runs are marked INTERRUPTED and the holdout audit closed ({exc})", 130)
-    if as_json:
-        return print_json(report)
     v = report.get("verdict", {})
+    if as_json:
+        print_json(report)
+    else:
+        _gate_summary(report, v, current.speed.confidence)
+    if v.get("verdict") != "accept":  # scripts tell a retain from an accept by the status
+        raise typer.Exit(EXIT_RETAIN)
+
+
+def _gate_summary(report: dict[str, Any], v: dict[str, Any], confidence: float) -> None:
+    from orchestrate.reports.tables import headline_cell
+
     color = "green" if v.get("verdict") == "accept" else "yellow"
     console.print(
         f"[{color}]{v.get('verdict', '?').upper()}[/{color}] {report['candidate']} vs "
         f"{report['against']} on {report['workload']} ({report['hardware']}), "
         f"protocol {report['protocol']}"
     )
+    if report.get("headline"):  # the stored number: what show, frontier and ledger print
+        h = report["headline"]
+        console.print(
+            f"  {headline_label(confidence)} vs stock (remeasure): {headline_cell(h)}"
+            + (f"; {AGGREGATE_LABEL} {h[AGGREGATE]:.2f}x" if AGGREGATE in h else "")
+        )
     for reason in v.get("reasons", []):
         console.print(f"  - {reason}")
     if "vs_stock" in report:
@@ -331,7 +351,7 @@ def ledger(
     if as_json:
         return print_json(rows)
     table = Table(title="failure ledger" + (f" (written to {out})" if write else ""))
-    for col in ("when", "stack", "cause", "workload", "protocol", "detail"):
+    for col in ("when", "stack", "cause", "workload", "protocol", "run", "detail"):
         table.add_column(col)
     for r in rows:
         table.add_row(
@@ -340,9 +360,15 @@ def ledger(
             r["cause"],
             r["workload"] or "",
             f"v{r['protocol_version']}" if r["protocol_version"] else "",
+            (r["run_id"] or "")[:8] + (" (noisy)" if r["noisy"] else ""),
             r["detail"][:100],
         )
     console.print(table)
+    for c in ledger_mod.champion_rows(store):  # the stored headline of each accept
+        console.print(
+            f"champion {c['stack_name']} ({c['workload_name']}, {c['hardware']}): "
+            f"{headline_label()} vs stock {c['headline']}"
+        )
 
 
 def frontier(
@@ -368,24 +394,32 @@ def frontier(
         fail(str(exc))
     if as_json:
         return print_json(data.to_dict())
+    from orchestrate.reports.tables import headline_cell
+
     table = Table(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
-    for col in ("#", "phase", "stack", "speedup", "status", "why"):
+    headers = ("#", "phase", "stack", headline_label(current.speed.confidence), AGGREGATE_LABEL)
+    for col in (*headers, "exact", "status", "why"):
         table.add_column(col)
     steps = {s["index"] for s in data.frontier}
     for p in data.points:
         mark = " ◀ frontier" if p.index in steps else ""
+        stored = {"speedup_paired": p.speedup}  # the run's stored headline, as show prints it
+        if p.ci_low is not None and p.ci_high is not None:
+            stored |= {"speedup_paired_lo": p.ci_low, "speedup_paired_hi": p.ci_high}
         table.add_row(
             str(p.index),
             p.phase,
             p.stack,
-            f"{p.speedup:.3f}x{mark}",
-            p.status,
+            headline_cell(stored) + mark,
+            "-" if p.rtf_ratio is None else f"{p.rtf_ratio:.2f}x",
+            EXACT_CELL[p.exactness],
+            p.status + (" · noisy" if p.noisy else ""),
             "; ".join(p.reasons)[:90],
         )
     console.print(table)
     best = data.frontier[-1] if data.frontier else None
     console.print(
-        f"best unflagged: {best['speedup']:.3f}x ({best['stack']})"
+        f"best unflagged: {best['speedup']:.3f}x paired ({best['stack']})"
         if best
         else "no unflagged point beats stock yet"
     )

@@ -1,9 +1,10 @@
 """Accept or retain: speed beyond the measured noise, every quality gate, and the record.
 
-Speed is judged on paired utterances (same prompt, seed and round, measured back to back in
-one interleaved job): the per-utterance ratio baseline time / candidate time, averaged in
-log space with the protocol's prompt weights (a weighted geometric mean), and a percentile
-bootstrap over the pairs gives its confidence interval. A candidate is faster only when the
+Speed is judged on the headline estimate, defined once in running.metrics (`paired_speedup`):
+paired utterances (same prompt, seed and round, measured back to back in one interleaved
+job), the per-utterance ratio baseline time / candidate time, averaged in log space with the
+protocol's prompt weights (a weighted geometric mean), and a seeded percentile bootstrap
+over the pairs for its confidence interval. A candidate is faster only when the
 lower bound clears `speed.min_speedup`, which `orchestrate noise` sets from A/A runs.
 
 Quality gates compare the candidate with stock on the same run's scored recordings; a gate
@@ -12,9 +13,7 @@ whose metric has no data fails (nothing is assumed to hold).
 
 from __future__ import annotations
 
-import fnmatch
 import json
-import math
 import platform
 import re
 from collections.abc import Sequence
@@ -22,8 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrate.api.config import ModelSpec, StackSpec
-from orchestrate.api.protocol import Protocol, ProtocolError, QualitySpec, SpeedRule
-from orchestrate.api.records import EnvironmentInfo, StackResult, UtteranceRecord
+from orchestrate.api.protocol import Protocol, QualitySpec, SpeedRule
+from orchestrate.api.records import EnvironmentInfo, StackResult
+from orchestrate.running import metrics
+from orchestrate.running.metrics import bootstrap_speedup as bootstrap_speedup
+from orchestrate.running.metrics import paired_log_ratios as paired_log_ratios
+from orchestrate.running.metrics import prompt_weight as prompt_weight
 
 if TYPE_CHECKING:
     from orchestrate.research.scoring_run import StackQuality
@@ -53,53 +56,9 @@ class SpeedCheck:
         judged = "CI lower bound" if self.rule == "ci_low" else "speedup"
         verb = ">" if self.passed else "not >"
         return (
-            f"{self.phase}: {self.speedup:.3f}x vs {self.against} ({ci}, {self.n_pairs} pairs); "
-            f"{judged} {verb} {self.threshold:.3f}"
+            f"{self.phase}: {self.speedup:.3f}x (paired) vs {self.against} ({ci}, "
+            f"{self.n_pairs} pairs); {judged} {verb} {self.threshold:.3f}"
         )
-
-
-def _time(u: UtteranceRecord, metric: str) -> float:
-    # Per-utterance RTF when the protocol's speed metric is RTF: with a length policy every
-    # stack makes the same audio and it equals the latency ratio; with model-decided lengths
-    # it does not penalise a stack for longer clips.
-    return u.latency_s / u.audio_s if metric == "rtf" else u.latency_s
-
-
-def paired_log_ratios(
-    base: Sequence[UtteranceRecord], cand: Sequence[UtteranceRecord], metric: str = "rtf"
-) -> list[tuple[str, float]]:
-    """(prompt id, log(base time / candidate time)) per utterance measured by both."""
-    by_key = {(u.prompt_id, u.seed, u.round): u for u in base}
-    out = []
-    for u in cand:
-        b = by_key.get((u.prompt_id, u.seed, u.round))
-        if b is None or u.latency_s <= 0 or b.latency_s <= 0 or u.audio_s <= 0 or b.audio_s <= 0:
-            continue
-        out.append((u.prompt_id, math.log(_time(b, metric) / _time(u, metric))))
-    return out
-
-
-def prompt_weight(prompt_id: str, weights: dict[str, float]) -> float:
-    for pattern, weight in weights.items():
-        if fnmatch.fnmatchcase(prompt_id, pattern):
-            return weight
-    raise ProtocolError(f"prompt {prompt_id!r} matches no speed weight pattern {list(weights)}")
-
-
-def bootstrap_speedup(
-    logs: Sequence[float], weights: Sequence[float], rule: SpeedRule
-) -> tuple[float, float, float]:
-    """(weighted geometric-mean speedup, CI low, CI high) by percentile bootstrap."""
-    import numpy as np
-
-    x, w = np.asarray(logs, dtype=np.float64), np.asarray(weights, dtype=np.float64)
-    point = float(np.exp((w * x).sum() / w.sum()))
-    rng = np.random.default_rng(rule.seed)
-    idx = rng.integers(0, x.size, size=(rule.resamples, x.size))
-    means = (w[idx] * x[idx]).sum(axis=1) / w[idx].sum(axis=1)
-    alpha = (1 - rule.confidence) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha])
-    return point, float(np.exp(lo)), float(np.exp(hi))
 
 
 def speed_check(
@@ -111,24 +70,22 @@ def speed_check(
     judge_on: Literal["ci_low", "point"] = "ci_low",
     threshold: float | None = None,
 ) -> SpeedCheck:
-    pairs = paired_log_ratios(base.utterances, cand.utterances, metric)
+    # The one headline estimate (running.metrics), so the gate's number is the stored one.
+    paired = metrics.paired_speedup(base.utterances, cand.utterances, rule, metric)
     limit = rule.min_speedup if threshold is None else threshold
-    if not pairs:
+    if paired is None:
         nan = float("nan")
         return SpeedCheck(
             phase, base.stack.name, 0, nan, nan, nan, rule.confidence, limit, judge_on, False
         )
-    logs = [lr for _, lr in pairs]
-    weights = [prompt_weight(p, rule.weights) for p, _ in pairs]
-    point, lo, hi = bootstrap_speedup(logs, weights, rule)
-    judged = lo if judge_on == "ci_low" else point
+    judged = paired.lo if judge_on == "ci_low" else paired.speedup
     return SpeedCheck(
         phase,
         base.stack.name,
-        len(pairs),
-        point,
-        lo,
-        hi,
+        paired.n,
+        paired.speedup,
+        paired.lo,
+        paired.hi,
         rule.confidence,
         limit,
         judge_on,
@@ -215,9 +172,11 @@ def judge(
     gates: Sequence[GateCheck] = (),
     flags: Sequence[str] = (),
     allow_flagged: bool = False,
+    noisy: Sequence[str] = (),
 ) -> Verdict:
     """Accept only a candidate that ran whole, is faster beyond noise, holds every gate,
-    and (unless explicitly allowed) has not seen this holdout before."""
+    was measured in a run that is not noisy (metrics.noise_reasons: its speed is not to be
+    trusted either way), and (unless explicitly allowed) has not seen this holdout before."""
     from orchestrate.store.rows import classify_failure
 
     causes: dict[str, str] = {}
@@ -230,6 +189,9 @@ def judge(
         causes["refused"] = f"techniques skipped on this device: {candidate.skipped}"
         reasons.append(f"partial stack: skipped {sorted(candidate.skipped)}")
     slow = [s.reason() for s in speed if not s.passed]
+    # A noisy run has not shown it is faster: ledgered as `slower` (the causes the store
+    # knows), its detail saying why.
+    slow += [f"noisy run, speed not established: {n}" for n in noisy]
     if slow:
         causes["slower"] = "; ".join(slow)
     failed = [f"{g.metric}: {g.why} (gate {g.bound})" for g in gates if not g.passed]
@@ -239,6 +201,7 @@ def judge(
         causes["gate"] = "; ".join([causes.get("gate", ""), *flags]).strip("; ")
     reasons += [s.reason() for s in speed]
     reasons += [f"{g.metric}: {'ok' if g.passed else 'FAIL'} {g.why}" for g in gates]
+    reasons += [f"noisy run: {n}" for n in noisy]
     reasons += [f"holdout flag: {f}" for f in flags]
     if flags and allow_flagged:
         reasons.append("holdout flags overridden with --allow-holdout-reuse")

@@ -12,7 +12,19 @@ from typing import Any
 from orchestrate.api import protocol as proto
 from orchestrate.api.config import ModelSpec, StackSpec, Workload, load_stack
 from orchestrate.api.protocol import Protocol
-from orchestrate.api.registry import StackError
+from orchestrate.api.registry import StackError, get_family
+from orchestrate.running import metrics
+
+
+def _headline(stored: dict[str, float]) -> dict[str, float]:
+    """The candidate's stored headline vs stock (and the aggregate beside it), for the
+    report and the decision's evidence: what `ledger` shows beside the verdict."""
+    keys = (metrics.HEADLINE, f"{metrics.HEADLINE}_lo", f"{metrics.HEADLINE}_hi")
+    return {k: stored[k] for k in (*keys, metrics.AGGREGATE) if k in stored}
+
+
+def _noise(comparisons: dict[str, dict[str, float]]) -> list[str]:
+    return metrics.run_noise(list(comparisons.items()))
 
 
 def run_gate(
@@ -37,7 +49,7 @@ def run_gate(
     proto.require_gates(protocol)
     store.register_protocol(protocol)
     on_event = on_event or (lambda e: None)
-    stock = load_stack("stock")
+    stock = load_stack(get_family(model.family).baseline)  # the family names its baseline
     if not candidate.techniques or candidate.content_hash() == stock.content_hash():
         raise StackError("stock is the reference, not a candidate")
     hardware, mkey = decide.local_hardware(model.device), decide.model_key(model)
@@ -79,7 +91,11 @@ def run_gate(
         report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
         return report
     by = {r.stack.name: r for r in first.result.results}
-    speedup = first.comparisons.get(candidate.name, {}).get("speedup_vs_baseline", 0.0)
+    # The headline vs stock as stored with the run (the one number every report shows).
+    stored = first.comparisons.get(candidate.name, {})
+    speedup = stored.get(metrics.HEADLINE, 0.0)
+    report["headline"] = _headline(stored)
+    noisy = report["noisy"] = _noise(first.comparisons)
     checks = [
         decide.speed_check(
             "remeasure", by[against], by[candidate.name], protocol.speed, protocol.speed_metric
@@ -98,9 +114,13 @@ def run_gate(
         "hardware": hardware,
         "speedup": speedup,
     }
-    early = decide.judge(by[candidate.name], checks)
-    if early.verdict == "retain":  # broken or not faster: the holdout stays sealed
-        evidence = {"remeasure_run": first.run_id, "holdout": "not opened"}
+    early = decide.judge(by[candidate.name], checks, noisy=noisy)
+    if early.verdict == "retain":  # broken, noisy or not faster: the holdout stays sealed
+        evidence = {
+            "remeasure_run": first.run_id,
+            "holdout": "not opened",
+            "headline": report["headline"],
+        }
         report["record"] = decide.record(
             store, run_id=first.run_id, verdict=early, evidence=evidence, **common
         )
@@ -150,14 +170,21 @@ def run_gate(
             q_stock, q_cand = quality[stock.name], quality[candidate.name]
             gates = decide.check_gates(q_stock, q_cand, protocol.quality)
             gates.append(decide.check_coverage(q_stock, q_cand, protocol.quality))
+            report["holdout_noisy"] = _noise(second.comparisons)
             verdict = decide.judge(
-                held_by[candidate.name], checks, gates, opened.flags, allow_flagged=allow_reuse
+                held_by[candidate.name],
+                checks,
+                gates,
+                opened.flags,
+                allow_flagged=allow_reuse,
+                noisy=[f"holdout {n}" for n in report["holdout_noisy"]],
             )
             stack_runs = {s["name"]: s["mlflow_run_id"] for s in store.get_run(run_id)["stacks"]}
             evidence = {
                 "remeasure_run": first.run_id,
                 "holdout_run": run_id,
                 "holdout_hash": held_hash,
+                "headline": report["headline"],
             }
             report["record"] = decide.record(
                 store,

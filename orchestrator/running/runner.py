@@ -4,24 +4,29 @@ The worker runs in its own process so a crash, an OOM kill or a `kill -9` cannot
 orchestrator (and its bookkeeping) with it: whatever happens, the run row ends FINISHED,
 PARTIAL, FAILED or INTERRUPTED, never RUNNING, and a result is written whole or not at all.
 The database is written before MLflow, which is best effort: a measurement is never lost to
-a tracking failure (`orchestrate sync-mlflow` logs it later).
+a tracking failure (`orchestrate sync-mlflow` logs it later). What a killed worker measured
+is kept in its job folder (utterances.jsonl, WAVs); `plan_resume` turns it into a job that
+continues the run (`orchestrate run --resume RUN`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrate.api.records import JobSpec, ResultRecord, StackResult
+from orchestrate.api.records import JobSpec, ResultRecord, StackResult, UtteranceRecord
 from orchestrate.api.registry import job_identity
 from orchestrate.running import metrics
 from orchestrate.running.mlflow_log import Comparisons, log_to_mlflow, one_line, probe_tracking
@@ -34,6 +39,11 @@ class WorkerFailed(RuntimeError):
 
 class Interrupted(RuntimeError):
     pass
+
+
+class ResumeRefused(ValueError):
+    """`--resume` would mix incompatible measurements, or finds nothing to resume; the
+    message is one line saying why (the CLI exits 2 with it, before anything runs)."""
 
 
 @dataclass
@@ -51,23 +61,33 @@ class Outcome:
 
 def comparisons(result: ResultRecord) -> dict[str, dict[str, float]]:
     """Each stack against the job's first stack (the baseline), from unrounded values, and
-    against every other stack declared `baseline: true` (keys ending `_vs_NAME`)."""
+    against every other stack declared `baseline: true` (keys ending `_vs_NAME`); with the
+    headline (metrics.headline, under the job's own protocol) and, for a stack declaring
+    exact whose fidelity was measured, `exactness_failed` (1.0: outside tolerance)."""
     base = result.results[0]
     others = [r for r in result.results[1:] if r.stack.baseline and r.utterances]
     out: dict[str, dict[str, float]] = {}
     for r in result.results[1:]:
         if not (r.utterances and base.utterances):
             continue
-        out[r.stack.name] = _against(base, r)
+        out[r.stack.name] = _against(base, r, result)
         for ref in (o for o in others if o is not r):
-            for key, value in _against(ref, r).items():
+            for key, value in _against(ref, r, result).items():
                 out[r.stack.name][f"{key.removesuffix('_vs_baseline')}_vs_{ref.stack.name}"] = value
+    for r in result.results:
+        if r.fidelity is None or not r.stack.techniques or not r.exact:
+            continue  # nothing claimed, or nothing measured: no verdict to store
+        verdict = metrics.exactness(r.exact, r.fidelity.within_tolerance)
+        out.setdefault(r.stack.name, {})["exactness_failed"] = float(verdict == "failed")
     return out
 
 
-def _against(base: StackResult, cand: StackResult) -> dict[str, float]:
-    return metrics.compare(base.utterances, cand.utterances) | metrics.compare_s(
-        base.metrics, cand.metrics
+def _against(base: StackResult, cand: StackResult, result: ResultRecord) -> dict[str, float]:
+    protocol = result.job.protocol
+    return (
+        metrics.compare(base.utterances, cand.utterances)
+        | metrics.compare_s(base.metrics, cand.metrics)
+        | metrics.headline(base.utterances, cand.utterances, protocol.speed, protocol.speed_metric)
     )
 
 
@@ -80,8 +100,13 @@ def spawn_worker(
     cmd = [sys.executable, "-m", worker, str(job_path), "--out", str(result_path)]
     events_path = job_path.with_name("events.jsonl")
     with log_path.open("w") as log, events_path.open("a", buffering=1) as events:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent()
+        )
         try:
+            # Its pid, for describe_exit (did the kernel's OOM killer end it?) and tests.
+            with suppress(OSError):
+                job_path.with_name("worker.pid").write_text(f"{proc.pid}\n")
             assert proc.stdout is not None
             for line in proc.stdout:
                 try:
@@ -98,21 +123,60 @@ def spawn_worker(
             raise
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """For the worker, run between fork and exec (Linux): SIGKILL it when the orchestrator
+    dies, so a `kill -9` of `orchestrate run` leaves no orphan holding the GPU (what it
+    measured is on disk already, in utterances.jsonl). prctl is looked up here, in the
+    parent: the forked child only calls it (no imports or dlopen after a fork)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def describe_exit(rc: int, log_path: Path) -> str:
     """One line: how the worker ended, the error it raised (its last exception line, or
-    an `error` event), and where its full log is."""
+    an `error` event), and where its full log is. A signal is named as a fact; out of
+    memory is said only when the kernel's log or the worker's own output says so."""
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    error = _error_event(log_path.with_name("events.jsonl")) or worker_error(log)
     if rc < 0:
         try:
             name = signal.Signals(-rc).name
         except ValueError:
             name = f"signal {-rc}"
-        what = f"worker killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        pid = log_path.with_name("worker.pid")
+        what = f"worker killed by {name}" + _oom_evidence(f"{error}\n{log}", _read_pid(pid))
     else:
         what = f"worker exited with status {rc}"
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    error = _error_event(log_path.with_name("events.jsonl")) or worker_error(log)
     where = f"worker log: {log_path}"
     return f"{what}: {error} ({where})" if error else f"{what} ({where})"
+
+
+_OOM = re.compile(r"out of memory|OutOfMemoryError|\bOOM\b", re.IGNORECASE)
+
+
+def _oom_evidence(output: str, pid: int | None) -> str:
+    """" (out of memory ...)" when something says so, else "": a SIGKILL alone is also
+    what `kill -9`, a scheduler or a container limit sends."""
+    if pid is not None:
+        with suppress(OSError, subprocess.SubprocessError):  # dmesg may be restricted
+            kernel = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+            if re.search(rf"(Killed process {pid}\b|oom-kill:.*\bpid={pid}\b)", kernel):
+                return " (out of memory: the kernel's OOM killer ended it)"
+    return " (out of memory?)" if _OOM.search(output) else ""
+
+
+def _read_pid(path: Path) -> int | None:
+    """The worker's pid, as spawn_worker wrote it (worker.pid beside the job)."""
+    with suppress(OSError, ValueError):
+        return int(path.read_text().strip())
+    return None
 
 
 def worker_error(log: str) -> str | None:
@@ -169,15 +233,22 @@ def execute(
     track: bool = True,
     force: bool = False,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    recordings_from: Path | None = None,
 ) -> Outcome:
+    """Run `job` in a worker and record it. `recordings_from`: a resumed job's old folder,
+    whose WAVs of the carried utterances are linked (or copied) into the new one first."""
     ident = job_identity(job)
-    if not force and (prev := store.find_run_by_identity(ident)):
+    prev = None if force else store.find_run_by_identity(ident)
+    # A noisy run is never served back as the measurement: this job measures afresh.
+    if prev and not metrics.run_noise([(s["name"], s["metrics"]) for s in prev["stacks"]]):
         return Outcome(prev["id"], prev["status"], None, {}, None, reused=True)
     preflight(runs_dir, track)  # a bad folder or MLflow store costs one line, no measurement
 
     job_dir = runs_dir / job.job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     job = job.model_copy(update={"output_dir": str(job_dir.resolve())})
+    if recordings_from is not None:  # before the run row: a failure here writes no row
+        job = _carry_recordings(job, recordings_from, job_dir)
     job_path, result_path, log_path = (
         job_dir / "job.json",
         job_dir / "result.json",
@@ -203,8 +274,9 @@ def execute(
         store.fail_run(run_id, "INTERRUPTED", str(exc) or "interrupted (Ctrl-C)")
         raise
     except WorkerFailed as exc:
-        store.fail_run(run_id, "FAILED", str(exc))
-        return Outcome(run_id, "FAILED", None, {}, None, error=str(exc))
+        error = str(exc) + _resume_hint(run_id, job_dir)
+        store.fail_run(run_id, "FAILED", error)
+        return Outcome(run_id, "FAILED", None, {}, None, error=error)
     except StoreError:
         raise  # _record marked the run (where the database let it) and names the recovery
     except Exception as exc:
@@ -213,6 +285,16 @@ def execute(
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _resume_hint(run_id: str, job_dir: Path) -> str:
+    """"; N measured utterances kept: ..." when the worker recorded any before it ended."""
+    journal = job_dir / "utterances.jsonl"
+    lines = journal.read_text(errors="replace").splitlines() if journal.is_file() else []
+    kept = sum(1 for line in lines if line.strip().endswith("}"))  # not a line cut short
+    if not kept:
+        return ""
+    return f"; {kept} measured utterances kept: orchestrate run --resume {run_id[:12]} continues"
 
 
 def _record(
@@ -241,3 +323,166 @@ def ingest(result_path: Path, store: Any, *, track: bool = True) -> Outcome:
             store, run_id, result, comps, result_path
         )
     return outcome
+
+
+# ----------------------------------------------------------------------------- resume
+
+RESUMABLE = ("INTERRUPTED", "FAILED")
+JournalLines = list[tuple[str, str, UtteranceRecord]]  # (stack, device, record) per line
+
+
+def plan_resume(store: Any, run_ref: str) -> tuple[JobSpec, Path]:
+    """The job that continues run `run_ref`, and the run's job folder (where its WAVs are).
+
+    The resumed run is a new run with a new run id and job id (a job is recorded once); its
+    job is the old one plus `resumed_from` (the old run id) and `carried`: the utterances
+    the old worker wrote to utterances.jsonl, which the new worker keeps (marked resumed)
+    instead of timing them again. Warm-up and fidelity are redone. The old row stays as it
+    was; `Store.get_run` of it names the new one (`resumed_by`). Raises ResumeRefused (one
+    line) for a run that is not INTERRUPTED or FAILED, was resumed already, has no job
+    folder, or whose measurements were taken with other code or on another device.
+    """
+    from orchestrate.running.worker import JOURNAL, read_journal
+
+    run = store.get_run(run_ref, utterances=False)
+    rid = run["id"][:12]
+    if run["status"] not in RESUMABLE:
+        raise ResumeRefused(
+            f"cannot resume run {rid}: it is {run['status']}; only an INTERRUPTED or FAILED "
+            "run can be resumed"
+        )
+    if later := store.resumed_by(run["id"]):
+        again = later[-1]
+        raise ResumeRefused(
+            f"cannot resume run {rid}: it was resumed already as run {again['id'][:12]} "
+            f"({again['status']})"
+            + ("; resume that one instead" if again["status"] in RESUMABLE else "")
+        )
+    recorded = JobSpec.model_validate(run["job"])
+    folder = Path(recorded.output_dir)
+    journal = read_journal(folder / JOURNAL)
+    if why := _incompatible(recorded, _job_on_disk(folder, rid), journal):
+        raise ResumeRefused(f"cannot resume run {rid}: {why}")
+    carried = {
+        stack: [u.model_copy(update={"resumed": True}) for u in utts]
+        for stack, utts in _carried(recorded, journal).items()
+    }
+    job = recorded.model_copy(
+        update={
+            "job_id": uuid.uuid4().hex[:12],
+            "resumed_from": run["id"],
+            "carried": carried,
+            "output_dir": "",
+        }
+    )
+    return job, folder
+
+
+def _job_on_disk(folder: Path, rid: str) -> JobSpec:
+    path = folder / "job.json"
+    if not path.is_file():
+        raise ResumeRefused(
+            f"cannot resume run {rid}: its job folder {folder} is gone (no job.json there); "
+            "run the experiment again"
+        )
+    try:
+        return JobSpec.model_validate_json(path.read_text())
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ResumeRefused(
+            f"cannot resume run {rid}: {path} is not a valid job ({one_line(exc)})"
+        ) from exc
+
+
+def _incompatible(recorded: JobSpec, on_disk: JobSpec, journal: JournalLines) -> str | None:
+    """Why the utterances measured for the job cannot be mixed with new ones, or None."""
+    import torch
+
+    from orchestrate.api.registry import StackError, technique_code
+    from orchestrate.running.environment import code_state
+    from orchestrate.running.worker import device_name
+
+    mixing = "; resuming would mix measurements of different code"
+    code = code_state()
+    try:
+        techniques = technique_code(recorded.stacks)
+    except StackError as exc:
+        return f"{exc}{mixing}"
+    for job in (recorded, on_disk):  # the database's copy and the folder's: both must agree
+        for what, then, now in (
+            ("code SHA", job.code_sha, code.sha),
+            ("uncommitted changes", job.code_dirty, code.dirty),
+            ("uncommitted-diff hash", job.code_diff_hash, code.diff_hash),
+        ):
+            if then != now:
+                return f"it was measured with {what} {then} and this tree has {now}{mixing}"
+        for name in sorted(job.technique_code.keys() | techniques.keys()):
+            then_code, now_code = job.technique_code.get(name), techniques.get(name)
+            if then_code != now_code:
+                return (
+                    f"technique {name} was {_code_label(then_code)} and is "
+                    f"{_code_label(now_code)} now{mixing}"
+                )
+    if on_disk.model_dump() != recorded.model_dump():
+        return f"{recorded.output_dir}/job.json is not the job recorded for it (edited?)"
+    if recorded.model.device == "cuda" and not torch.cuda.is_available():
+        return "it ran on CUDA and no CUDA device is visible here"
+    here = device_name(recorded.model.device)
+    if there := sorted({device for _, device, _ in journal} - {here}):
+        return (
+            f"its utterances were timed on {there[0]!r} and this device is {here!r}; "
+            "resuming would mix measurements of different devices"
+        )
+    return None
+
+
+def _code_label(code: dict[str, Any] | None) -> str:
+    if code is None:
+        return "absent"
+    return f"version {code.get('version')} with source hash {code.get('source')}"
+
+
+def _carried(job: JobSpec, journal: JournalLines) -> dict[str, list[UtteranceRecord]]:
+    """Journal lines that belong to `job` (its stacks, prompts and seeds), each (stack,
+    prompt, seed) once: the first line written for it."""
+    stacks = {s.name for s in job.stacks}
+    prompts, seeds = {p.id for p in job.workload.prompts}, set(job.workload.seeds)
+    seen: set[tuple[str, str, int]] = set()
+    out: dict[str, list[UtteranceRecord]] = {}
+    for stack, _, utt in journal:
+        key = (stack, utt.prompt_id, utt.seed)
+        if stack in stacks and utt.prompt_id in prompts and utt.seed in seeds and key not in seen:
+            seen.add(key)
+            out.setdefault(stack, []).append(utt)
+    return out
+
+
+def _carry_recordings(job: JobSpec, old: Path, new: Path) -> JobSpec:
+    """Link (or copy) the carried utterances' WAVs from the old job folder into the new
+    one, so the resumed run's folder is whole; a WAV that is gone is dropped from its
+    record (the worker then saves another)."""
+    carried: dict[str, list[UtteranceRecord]] = {}
+    for stack, utts in job.carried.items():
+        carried[stack] = []
+        for utt in utts:
+            if utt.audio_path and (old / utt.audio_path).is_file():
+                _link(old / utt.audio_path, new / utt.audio_path)
+            elif utt.audio_path:
+                utt = utt.model_copy(update={"audio_path": None})
+            carried[stack].append(utt)
+    return job.model_copy(update={"carried": carried})
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)  # no second copy of the audio
+        except OSError:  # another filesystem, or no hard links there
+            shutil.copy2(src, dst)
+    except OSError as exc:
+        free = shutil.disk_usage(dst.parent if dst.parent.exists() else src.parent).free
+        raise StoreUnavailable(
+            f"cannot copy {src} into {dst.parent}: {exc.strerror or exc} ({free / 1e9:.2f} GB "
+            "free); pass --runs-dir with a writable folder that has room"
+        ) from exc

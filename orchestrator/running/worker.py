@@ -4,13 +4,28 @@ project only (no database, no MLflow): run it here, in a subprocess, or on a GPU
 `orchestrate worker JOB.json`.
 
 Progress goes to stdout as JSON lines ({"event": ...}) for the orchestrator's progress bar.
+Each timed utterance is also appended to utterances.jsonl in the job folder (flushed and
+fsynced before the next is timed), so a worker killed half-way loses nothing it measured:
+`orchestrate run --resume RUN` carries those records into a fresh worker (JobSpec.carried),
+which skips them and times the rest.
+
+Test hook: ORCHESTRATE_FAULT (read here only) makes this worker fail on purpose, for the
+fault-injection tests: `kill_at:PHASE` sends itself SIGKILL, `enospc_at:PHASE` raises
+OSError(ENOSPC) as a full disk would, `kill_after_utterances:N` SIGKILLs itself once it has
+timed N utterances. PHASE is build, warmup, fidelity, timing (after the first utterance is
+in utterances.jsonl) or result_write (before result.json is written).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import json
+import os
+import platform
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -43,10 +58,90 @@ def memory(phase: str) -> None:
              reserved_bytes=torch.cuda.memory_reserved())
 
 
+JOURNAL = "utterances.jsonl"
+PHASES = ("build", "warmup", "fidelity", "timing", "result_write")
+
+
+def device_name(device: str) -> str:
+    """The device as EnvironmentInfo.device_name records it (environment.capture): a resume
+    refuses to mix utterances timed on another one."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or "cpu"
+
+
+class Journal:
+    """utterances.jsonl: one line per timed utterance, {"stack", "device_name",
+    "utterance"}, written through to the disk before the next one is timed."""
+
+    def __init__(self, path: Path, device: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.device = path, device_name(device)
+
+    def append(self, stack: str, utt: UtteranceRecord) -> None:
+        line = {"stack": stack, "device_name": self.device, "utterance": utt.model_dump()}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # a kill (or a power cut) after this loses nothing
+
+
+def read_journal(path: Path) -> list[tuple[str, str, UtteranceRecord]]:
+    """(stack, device name, record) per line of a journal; a line a kill cut short (or any
+    line that does not parse) is left out: it was never a whole measurement."""
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            out.append((row["stack"], row["device_name"], UtteranceRecord(**row["utterance"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _fault_spec() -> tuple[str, str] | None:
+    """ORCHESTRATE_FAULT as (kind, argument); a value it does not know is an error, so a
+    typo never lets a fault test pass without its fault."""
+    raw = os.environ.get("ORCHESTRATE_FAULT", "").strip()
+    if not raw:
+        return None
+    kind, _, arg = raw.partition(":")
+    ok = (kind in ("kill_at", "enospc_at") and arg in PHASES) or (
+        kind == "kill_after_utterances" and arg.isdigit()
+    )
+    if not ok:
+        raise ValueError(
+            f"ORCHESTRATE_FAULT={raw!r} is not a fault (a test hook): kill_at:PHASE, "
+            f"enospc_at:PHASE (PHASE: {', '.join(PHASES)}) or kill_after_utterances:N"
+        )
+    return kind, arg
+
+
+def _fault(phase: str, path: Path, timed: int = 0) -> None:
+    """The test hook: fail here as ORCHESTRATE_FAULT asks (nothing when it is unset)."""
+    spec = _fault_spec()
+    if spec is None:
+        return
+    kind, arg = spec
+    if (kind == "kill_at" and arg == phase) or (
+        kind == "kill_after_utterances" and phase == "timing" and timed >= int(arg)
+    ):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "enospc_at" and arg == phase:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
 def run_job(job: JobSpec) -> ResultRecord:
     started = utcnow()
     family = get_family(job.model.family)
     out_dir = Path(job.output_dir)
+    journal = Journal(out_dir / JOURNAL, job.model.device)
+    for name, utts in job.carried.items():  # first: a resume killed again keeps them too
+        for utt in utts:
+            journal.append(name, utt.model_copy(update={"resumed": True}))
+    _fault("build", out_dir)
     emit("status", message=f"building {job.model.preset} on {job.model.device}")
     model = family.build_model(job.model)
     memory("model built")
@@ -85,8 +180,10 @@ def run_job(job: JobSpec) -> ResultRecord:
         )
 
     wl = job.workload
+    _fault("warmup", out_dir)
     _warm_up(family, engines, results, wl)
     memory("warmed up")
+    _fault("fidelity", out_dir)
     if job.fidelity_steps and engines:
         emit("status", message="teacher-forced fidelity against stock")
         try:
@@ -98,13 +195,15 @@ def run_job(job: JobSpec) -> ResultRecord:
     memory("fidelity done")
     pairs = list(itertools.product(wl.prompts, wl.seeds))
     total = len(pairs) * len(engines)
-    done = 0
-    saved: dict[str, int] = dict.fromkeys(engines, 0)
+    carried = _carry(job, results)
+    done, timed = len(carried), 0
+    # Recordings a resumed run saved already count against save_audio.
+    saved = {n: sum(u.audio_path is not None for u in results[n].utterances) for n in engines}
     for rnd, (prompt, seed) in enumerate(pairs):
         names = list(engines)
         order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate: no fixed first
         for name in order:
-            if results[name].status == "failed":
+            if results[name].status == "failed" or (name, prompt.id, seed) in carried:
                 continue
             try:
                 if device.type == "cuda":
@@ -123,31 +222,16 @@ def run_job(job: JobSpec) -> ResultRecord:
                 rel = Path(name) / f"{prompt.id}_s{seed}.wav"
                 write_wav(out_dir / rel, syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
-            results[name].utterances.append(
-                UtteranceRecord(
-                    prompt_id=prompt.id,
-                    seed=seed,
-                    round=rnd,
-                    latency_s=syn.latency_s,
-                    lm_s=syn.lm_s,
-                    codec_s=syn.codec_s,
-                    prefill_s=syn.prefill_s,
-                    prompt_tokens=syn.prompt_tokens,
-                    new_tokens=syn.new_tokens,
-                    frames=syn.frames,
-                    audio_s=syn.audio.size / syn.sample_rate,
-                    stop_reason=syn.stop_reason,  # type: ignore[arg-type]
-                    audio_path=audio_path,
-                    time_to_first_audio_s=ttfa,
-                    forward_passes=syn.forward_passes,
-                    forward_bytes=syn.forward_bytes,
-                    forward_flops=syn.forward_flops,
-                    **integrity(syn.audio),
-                )
-            )
-            done += 1
+            utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa)
+            journal.append(name, utt)  # on disk before anything else can go wrong
+            results[name].utterances.append(utt)
+            done, timed = done + 1, timed + 1
             memory(f"timed {name} {prompt.id}/{seed}")
             emit("progress", done=done, total=total, stack=name, latency_s=syn.latency_s)
+            _fault("timing", journal.path, timed)
+
+    for res in results.values():  # carried and new in the rotation's order
+        res.utterances.sort(key=lambda u: u.round)
 
     launches = _launch_metrics(family, engines, results, wl, device)
     env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
@@ -173,6 +257,44 @@ def run_job(job: JobSpec) -> ResultRecord:
         finished_at=utcnow(),
         environment=env,
         results=[results[s.name] for s in job.stacks],
+    )
+
+
+def _carry(job: JobSpec, results: dict[str, StackResult]) -> set[tuple[str, str, int]]:
+    """Attach what the resumed run measured (job.carried) to the stacks' results, marked
+    resumed; returns their (stack, prompt, seed), which the timed rounds skip."""
+    keys: set[tuple[str, str, int]] = set()
+    for name, utts in job.carried.items():
+        for utt in utts:
+            key = (name, utt.prompt_id, utt.seed)
+            if name in results and key not in keys:
+                results[name].utterances.append(utt.model_copy(update={"resumed": True}))
+                keys.add(key)
+    return keys
+
+
+def _utterance(
+    syn: Any, prompt_id: str, seed: int, rnd: int, audio_path: str | None, ttfa: float | None
+) -> UtteranceRecord:
+    return UtteranceRecord(
+        prompt_id=prompt_id,
+        seed=seed,
+        round=rnd,
+        latency_s=syn.latency_s,
+        lm_s=syn.lm_s,
+        codec_s=syn.codec_s,
+        prefill_s=syn.prefill_s,
+        prompt_tokens=syn.prompt_tokens,
+        new_tokens=syn.new_tokens,
+        frames=syn.frames,
+        audio_s=syn.audio.size / syn.sample_rate,
+        stop_reason=syn.stop_reason,
+        audio_path=audio_path,
+        time_to_first_audio_s=ttfa,
+        forward_passes=syn.forward_passes,
+        forward_bytes=syn.forward_bytes,
+        forward_flops=syn.forward_flops,
+        **integrity(syn.audio),
     )
 
 
@@ -298,10 +420,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     job = JobSpec.model_validate_json(args.job.read_text())
     out = args.out or args.job.with_name(f"result-{job.job_id}.json")
-    result = run_job(job)
-    result.write(out)
+    _fault_spec()  # a malformed hook fails before anything is built
+    try:
+        result = run_job(job)
+        _fault("result_write", out)
+        result.write(out)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        out.with_name(out.name + ".partial").unlink(missing_ok=True)
+        emit("error", message=disk_full(exc, out))
+        return 1
     emit("done", result=str(out), status=result.status)
     return 0 if result.status != "failed" else 1
+
+
+def disk_full(exc: OSError, out: Path) -> str:
+    """One line for a full disk: the file it could not write and its folder's free space
+    (what was measured before is in utterances.jsonl, written as it was measured)."""
+    target = (Path(exc.filename) if exc.filename else out).absolute()
+    try:
+        free = f"{shutil.disk_usage(target.parent).free / 1e9:.2f} GB free"
+    except OSError:
+        free = "free space unknown"
+    return f"no space left on device writing {target} (folder {target.parent}: {free})"
 
 
 if __name__ == "__main__":

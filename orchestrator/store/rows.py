@@ -80,8 +80,9 @@ def write_result(
             peak_memory_bytes=sr.peak_memory_bytes,
             fidelity_json=sr.fidelity.model_dump_json() if sr.fidelity else None,
         )
-        row.utterances = [
-            Utterance(position=i, **u.model_dump()) for i, u in enumerate(sr.utterances)
+        row.utterances = [  # `resumed` is read back from the run's job (runs._mark_resumed)
+            Utterance(position=i, **u.model_dump(exclude={"resumed"}))
+            for i, u in enumerate(sr.utterances)
         ]
         row.metrics = [
             Metric(key=k, value=v)

@@ -182,11 +182,23 @@ class RunsMixin(Sessions):
             code_sha=job.code_sha,
             host=self.hostname,
             pid=pid,
-            job_json=job.model_dump_json(),
+            job_json=_job_json(job),
             baseline_stack=job.baseline.name,
         )
 
     # ------------------------------------------------------------------------ queries
+
+    def resumed_by(self, run_id: str) -> list[dict[str, Any]]:
+        """Runs that resumed run `run_id` (`orchestrate run --resume`), oldest first, as
+        {"id", "status"}: the pointer from an INTERRUPTED or FAILED run to its continuation."""
+        pointer = f'"resumed_from":{json.dumps(run_id)}'
+        query = (
+            select(Run.id, Run.status)
+            .where(Run.job_json.contains(pointer, autoescape=True))
+            .order_by(Run.started_at, Run.id)
+        )
+        with self._read() as s:
+            return [{"id": r.id, "status": r.status} for r in s.execute(query)]
 
     def list_runs(self, limit: int = 20, family: str | None = None) -> list[dict[str, Any]]:
         """Newest first: run fields (without the JSON blobs) and the stack names in order."""
@@ -228,7 +240,7 @@ class RunsMixin(Sessions):
             loads.append(selectinload(Run.stack_results).selectinload(StackResultRow.utterances))
         with self._read() as s:
             run = s.scalars(select(Run).where(Run.id == run_id).options(*loads)).one()
-            return {
+            out = {
                 **run_fields(run),
                 "model": json.loads(run.model_json),
                 "workload": json.loads(run.workload_json),
@@ -236,6 +248,10 @@ class RunsMixin(Sessions):
                 "environment": maybe_json(run.environment_json),
                 "stacks": [stack_fields(sr, utterances) for sr in run.stack_results],
             }
+        _mark_resumed(out["stacks"], out["job"])
+        out["resumed_from"] = out["job"].get("resumed_from")
+        out["resumed_by"] = [r["id"] for r in self.resumed_by(run_id)]
+        return out
 
     def get_result(self, run_id_or_prefix: str) -> ResultRecord:
         """Rebuild the worker's ResultRecord from the database (reports need no JSON file)."""
@@ -256,6 +272,26 @@ class RunsMixin(Sessions):
         with self._read() as s:
             run_id = s.scalar(query)
         return None if run_id is None else self.get_run(run_id, utterances=False)
+
+
+def _job_json(job: JobSpec) -> str:
+    """The job as stored: a job that resumes nothing leaves its empty resume fields out, so
+    runs recorded before resuming existed and after it read (and diff) alike."""
+    empty = {k for k in ("resumed_from", "carried") if not getattr(job, k)}
+    return job.model_dump_json(exclude=empty)
+
+
+def _mark_resumed(stacks: list[dict[str, Any]], job: dict[str, Any]) -> None:
+    """Utterances are stored without their `resumed` flag (a column would need a migration):
+    it is exactly the (stack, prompt, seed) the job carried over from the resumed run."""
+    carried = {
+        (stack, u["prompt_id"], u["seed"])
+        for stack, utts in (job.get("carried") or {}).items()
+        for u in utts
+    }
+    for st in stacks:
+        for u in st.get("utterances", []):
+            u["resumed"] = (st["name"], u["prompt_id"], u["seed"]) in carried
 
 
 def _has_result(run: Run) -> bool:

@@ -206,7 +206,7 @@ def log_run(
             child = mlf.create_run(
                 experiment_id,
                 run_name=sr.stack.name,
-                tags={PARENT_TAG: parent_id, **_stack_tags(sr, position, run_id)},
+                tags={PARENT_TAG: parent_id, **_stack_tags(sr, position, run_id, extra)},
             )
             children.append(child.info.run_id)
             _log_child(mlf, child.info.run_id, result, sr, extra, audio_dir)
@@ -272,7 +272,12 @@ def _log_child(
         mlf.log_artifact(child_id, str(path), artifact_path="audio")
 
 
-def _stack_tags(sr: StackResult, position: int, run_id: str) -> dict[str, str]:
+def _stack_tags(
+    sr: StackResult, position: int, run_id: str, extra: dict[str, float]
+) -> dict[str, str]:
+    # The measured verdict (runner.comparisons' exactness_failed, among the stored metrics
+    # when re-logged), not only the plugin's claim: "exact" must not tag a failed stack.
+    failed = {**sr.metrics, **extra}.get("exactness_failed")
     tags = {
         "run_id": run_id,
         "stack": sr.stack.name,
@@ -281,7 +286,7 @@ def _stack_tags(sr: StackResult, position: int, run_id: str) -> dict[str, str]:
         "baseline": str(position == 0).lower(),
         "status": sr.status,
         "exact": str(sr.exact).lower(),
-        "exactness": "exact" if sr.exact else "approximate",
+        "exactness": "failed" if failed else "exact" if sr.exact else "approximate",
         "applied": ", ".join(sr.applied) or "none",
         "skipped": "; ".join(f"{k}: {v}" for k, v in sr.skipped.items()) or "none",
     }
