@@ -29,7 +29,7 @@ from orchestrate.api.config import (
     load_workload,
 )
 from orchestrate.api.protocol import load_protocol
-from orchestrate.api.registry import StackError
+from orchestrate.api.registry import StackError, get_family
 from orchestrate.cli.common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
 from orchestrate.research import gate as gate_pipeline
 from orchestrate.running.metrics import AGGREGATE, AGGREGATE_LABEL, EXACT_CELL, headline_label
@@ -45,7 +45,8 @@ ModelOpt = Annotated[
     str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
 ]
 WorkloadOpt = Annotated[
-    str, typer.Option(help="Development workload name (configs/workloads/) or YAML path.")
+    str | None,
+    typer.Option(help="Development workload name or YAML path (default: the family's)."),
 ]
 RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")]
 # Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
@@ -70,12 +71,14 @@ def _events(quiet: bool) -> Any:
 
 
 def noise(
-    stack: Annotated[str, typer.Option("--stack", "-s", help="Stack measured against itself.")] = (
-        "stock"
-    ),
+    stack: Annotated[
+        str | None,
+        typer.Option("--stack", "-s", help="Stack measured against itself (default: the "
+                     "family's baseline)."),
+    ] = None,
     repeats: Annotated[int, typer.Option(help="A/A jobs (>= 2), seeds shifted per repeat.")] = 3,
     model: ModelOpt = "tiny",
-    workload: WorkloadOpt = "smoke",
+    workload: WorkloadOpt = None,
     protocol: ProtocolOpt = "protocol",
     out: Annotated[
         Path | None,
@@ -93,7 +96,9 @@ def noise(
     try:
         current = load_protocol(protocol)
         spec = load_model_spec(model)
-        dev, base = load_workload(workload), load_stack(stack)
+        family = get_family(spec.family)  # its baseline and workload are the defaults
+        dev = load_workload(workload or family.workload)
+        base = load_stack(stack or family.baseline)
     except (ConfigError, StackError) as exc:
         fail(str(exc))
     store = open_store(db)
@@ -249,7 +254,7 @@ def _quality_table(title: str, quality: dict[str, Any]) -> None:
 def gate(
     stack: Annotated[str, typer.Option("--stack", "-s", help="Candidate stack (name or YAML).")],
     model: ModelOpt = "tiny",
-    workload: WorkloadOpt = "smoke",
+    workload: WorkloadOpt = None,
     protocol: ProtocolOpt = "protocol",
     holdout: Annotated[
         Path | None, typer.Option(help="Sealed holdout file (default configs/holdout/NAME.yaml).")
@@ -271,7 +276,8 @@ def gate(
 
     try:
         current = load_protocol(protocol)
-        spec, dev, cand = load_model_spec(model), load_workload(workload), load_stack(stack)
+        spec, cand = load_model_spec(model), load_stack(stack)
+        dev = load_workload(workload or get_family(spec.family).workload)
     except (ConfigError, StackError) as exc:
         fail(str(exc))
     store = open_store(db)
