@@ -319,3 +319,104 @@ class Champion(Base):
     protocol_hash: Mapped[str] = mapped_column(String(64))
     speedup: Mapped[float] = mapped_column(Float)
     mlflow_model: Mapped[str | None] = mapped_column(String(255))
+
+
+# ------------------------------------------------------ explorations (revision 0004)
+
+EXPLORATION_STATUSES = ("RUNNING", "FINISHED", "INTERRUPTED", "FAILED")
+# orchestrate.api.proposer.Decision, the ledger's vocabulary (NULL while a candidate is open).
+CANDIDATE_DECISIONS = (
+    "drop",
+    "remeasure",
+    "gate",
+    "accept",
+    "retain",
+    "invalid",
+    "error",
+    "duplicate",
+    "superseded",  # revision 0005
+)
+CANDIDATE_STATUSES = ("open", "decided")
+
+
+class Exploration(Base):
+    """One `orchestrate explore`: what it explores (model, workload, protocol, hardware), its
+    options, its champion as it moves, and why it stopped. Its candidates are the journal."""
+
+    __tablename__ = "explorations"
+    __table_args__ = (CheckConstraint(one_of("status", EXPLORATION_STATUSES), name="status"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    status: Mapped[str] = mapped_column(String(16))
+    # The process driving it: a RUNNING row whose process is gone was interrupted.
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    family: Mapped[str] = mapped_column(String(32))
+    model_json: Mapped[str] = mapped_column(Text)
+    workload_name: Mapped[str] = mapped_column(String(128))
+    workload_json: Mapped[str] = mapped_column(Text)
+    hardware: Mapped[str] = mapped_column(String(255))
+    protocol_hash: Mapped[str] = mapped_column(String(64))
+    protocol_json: Mapped[str] = mapped_column(Text)
+    root_json: Mapped[str] = mapped_column(Text)  # the --from stack
+    champion_json: Mapped[str] = mapped_column(Text)
+    champion_headline: Mapped[float | None] = mapped_column(Float)  # paired, vs stock
+    champion_lo: Mapped[float | None] = mapped_column(Float)
+    champion_hi: Mapped[float | None] = mapped_column(Float)
+    options_json: Mapped[str] = mapped_column(Text)  # budget, proposers, patience, paths
+    stop_reason: Mapped[str | None] = mapped_column(Text)
+    elapsed_s: Mapped[float] = mapped_column(Float)  # over every session (resumes add up)
+    jobs: Mapped[int] = mapped_column(Integer)  # worker jobs submitted, gate runs included
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class ExplorationCandidate(Base):
+    """One proposal of an exploration, written `open` before its first job and `decided`
+    after its last: the journal `explore --resume` continues from. `phase` and `job_id` name
+    the job in flight; `steps_json` holds every decision taken on it with its numbers."""
+
+    __tablename__ = "exploration_candidates"
+    __table_args__ = (
+        UniqueConstraint("exploration_id", "seq"),
+        CheckConstraint(one_of("status", CANDIDATE_STATUSES), name="status"),
+        CheckConstraint(
+            f"decision IS NULL OR {one_of('decision', CANDIDATE_DECISIONS)}", name="decision"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    exploration_id: Mapped[str] = mapped_column(
+        ForeignKey("explorations.id", ondelete="CASCADE"), index=True
+    )
+    seq: Mapped[int] = mapped_column(Integer)  # 1, 2, ... in the order proposed
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    decided_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    proposer: Mapped[str] = mapped_column(String(64))
+    change: Mapped[str] = mapped_column(Text)  # "+audio_head", "-pdl", ...
+    proposal_reason: Mapped[str] = mapped_column(Text)
+    parent_name: Mapped[str | None] = mapped_column(String(128))
+    parent_hash: Mapped[str | None] = mapped_column(String(64))
+    # NULL for a proposer that failed (crash, timeout, malformed output): no stack to try.
+    stack_name: Mapped[str | None] = mapped_column(String(128))
+    stack_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    spec_json: Mapped[str | None] = mapped_column(Text)
+    # Stack + code + protocol + hardware: dedup happens on it before anything is submitted.
+    identity: Mapped[str | None] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    phase: Mapped[str | None] = mapped_column(String(16))  # dev | fresh | gate
+    job_id: Mapped[str | None] = mapped_column(String(64))  # the job in flight
+    phase_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    decision: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    quality_path: Mapped[str | None] = mapped_column(Text)
+    headline: Mapped[float | None] = mapped_column(Float)  # paired speedup vs stock
+    headline_lo: Mapped[float | None] = mapped_column(Float)
+    headline_hi: Mapped[float | None] = mapped_column(Float)
+    vs_parent: Mapped[float | None] = mapped_column(Float)  # paired speedup vs its parent
+    vs_parent_lo: Mapped[float | None] = mapped_column(Float)
+    vs_parent_hi: Mapped[float | None] = mapped_column(Float)
+    run_ids_json: Mapped[str] = mapped_column(Text)
+    steps_json: Mapped[str] = mapped_column(Text)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))

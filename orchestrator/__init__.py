@@ -5,11 +5,13 @@ see `.importlinter`):
 
     cli        commands (typer)
     reports    tables and figures, read through the store
+    explore    the autonomous exploration loop: propose, measure, remeasure, gate, decide
     research   the protocol: noise, holdout, scoring, decide, gate
     running    plan -> worker subprocess -> result record (the worker imports no store)
     store      the only module that speaks SQL; MLflow tracking beside it
     api        the plugin contracts and config types: techniques, families, scorers
 
-Plugins (`orchestrate.families`, `orchestrate.techniques`, `orchestrate.scorers`) import
-only `orchestrate.api`, and are found through entry points, never imported by the core.
+Plugins (`orchestrate.families`, `orchestrate.techniques`, `orchestrate.scorers`,
+`orchestrate.proposers`) import only `orchestrate.api`, and are found through entry points,
+never imported by the core.
 """

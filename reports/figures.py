@@ -1,11 +1,13 @@
 """Figures regenerated from stored records (matplotlib, Agg): never drawn by hand.
 
-- frontier.png: the headline speedup vs stock (paired, as stored) per experiment, the
-  cumulative best unflagged speedup as a step line, alerts (noisy runs included) hollow red
-  and unverified points hollow grey;
+- frontier.png: the headline speedup vs stock (paired, as stored) per experiment; the best
+  gated speedup (accepted stacks at their holdout paired estimate) as a step line, the best
+  of stacks never gated dashed apart ("dev only, not gated"); alerts (retained stacks and
+  noisy runs included) hollow red and unverified points hollow grey;
 - pareto.png: speedup against a quality delta vs stock, the Pareto set joined;
 - quality_screen.png: stock vs candidates on WER, CER, MOS and SIM (one scored run);
 - holdout_deltas.png: each holdout evaluation's delta vs stock against the gate bands;
+  on random weights both say "not meaningful: random weights" and colour nothing pass/fail;
 - ladder.png: the newest run's stacks, speed (S or RTF) with aggregate ratios vs A and B;
 - throughput.png: utterances/s against batch size, one line per serving path.
 manifest.json records which runs, protocol and database every figure came from.
@@ -22,6 +24,7 @@ from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import utcnow
 from orchestrate.reports.frontier import Frontier, collect
 from orchestrate.reports.ladder import Rung, finished_runs, ladder, throughput
+from orchestrate.research.decide import NOT_MEANINGFUL, random_weights
 from orchestrate.research.holdout import list_audits
 from orchestrate.research.scoring_run import StackQuality, load_rows, stack_quality
 
@@ -64,21 +67,29 @@ def frontier_figure(data: Frontier, path: Path) -> Path:
                 linewidths=1.5,
                 zorder=3,
             )
-    if data.points:  # the cumulative best unflagged speedup, from stock (1x) onwards
-        best, xs, ys = 1.0, [], []
-        for p in data.points:
-            best = max(best, p.speedup) if p.status == "pass" else best
-            xs.append(p.index)
-            ys.append(best)
-        ax.step(xs, ys, where="post", color=PASS, lw=1.5, label="best unflagged so far")
-        for s in data.frontier:
-            ax.annotate(
-                s["stack"],
-                (s["index"], s["speedup"]),
-                textcoords="offset points",
-                xytext=(4, 6),
-                fontsize=8,
-            )
+    if data.points:  # from stock (1x): the gated best, and apart the never-gated best
+        for steps, style, label in (
+            (data.frontier, {"color": PASS, "lw": 1.5}, "best gated (holdout paired)"),
+            (data.dev_only, {"color": GREY, "lw": 1.0, "ls": "--"}, "best dev only, not gated"),
+        ):
+            if not steps:
+                continue
+            at = {s["index"]: s["speedup"] for s in steps}
+            best, xs, ys = 1.0, [], []
+            for p in data.points:
+                best = max(best, at.get(p.index, best))
+                xs.append(p.index)
+                ys.append(best)
+            ax.step(xs, ys, where="post", label=label, **style)
+            for s in steps:
+                ax.annotate(
+                    s["stack"],
+                    (s["index"], s["speedup"]),
+                    textcoords="offset points",
+                    xytext=(4, 6),
+                    fontsize=8,
+                    color=style["color"],
+                )
     for label, kw in (
         ("pass", {"color": PASS}),
         ("quality alert (not counted)", {"facecolors": "none", "edgecolors": ALERT}),
@@ -131,15 +142,21 @@ def pareto_figure(data: Frontier, path: Path, protocol: Protocol) -> Path:
 
 
 def quality_screen_figure(
-    quality: dict[str, StackQuality], path: Path, title: str, metrics: tuple[str, ...]
+    quality: dict[str, StackQuality],
+    path: Path,
+    title: str,
+    metrics: tuple[str, ...],
+    meaningful: bool = True,
 ) -> Path:
     plt = _pyplot()
+    if not meaningful:  # scores of random weights: drawn, and said to mean nothing
+        title = f"{title}\n{NOT_MEANINGFUL}"
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.8), squeeze=False)
     names = list(quality)
     for ax, metric in zip(axes[0], metrics, strict=True):
         vals = [quality[n].values.get(metric) for n in names]
         errs = [_sd(quality[n].per_utterance.get(metric, [])) for n in names]
-        colors = [GREY if i == 0 else PASS for i in range(len(names))]
+        colors = [GREY if i == 0 or not meaningful else PASS for i in range(len(names))]
         ax.bar(range(len(names)), [v or 0.0 for v in vals], yerr=errs, color=colors, capsize=3)
         for i, (v, n) in enumerate(zip(vals, names, strict=True)):
             cov = quality[n].coverage_failures
@@ -160,17 +177,24 @@ def holdout_deltas_figure(
     fig, axes = plt.subplots(
         1, max(1, len(metrics)), figsize=(3.6 * max(1, len(metrics)), 4), squeeze=False
     )
-    labels = [f"{e['stack']}\n{e['when']:%m-%d %H:%M}\n{e['verdict']}" for e in evaluations]
+    labels = [
+        f"{e['stack']}\n{e['when']:%m-%d %H:%M}\n{e['verdict']}"
+        + ("" if e["meaningful"] else "\nrandom weights")
+        for e in evaluations
+    ]
     for ax, metric in zip(axes[0], metrics, strict=False):
         ys = [e["deltas"].get(metric) for e in evaluations]
         _gate_band(ax, protocol, metric, vertical=False, data=[y for y in ys if y is not None])
-        for i, y in enumerate(ys):
+        for i, (y, e) in enumerate(zip(ys, evaluations, strict=True)):
             if y is not None:
                 ok = _within(protocol, metric, y)
-                ax.scatter(i, y, color=PASS if ok else ALERT, zorder=3)
+                color = GREY if not e["meaningful"] else PASS if ok else ALERT
+                ax.scatter(i, y, color=color, zorder=3)
+                note = "" if e["meaningful"] else " (not meaningful)"
                 ax.annotate(
-                    f"{y:+.3g}", (i, y), fontsize=7, textcoords="offset points", xytext=(5, 0)
-                )
+                    f"{y:+.3g}{note}", (i, y), fontsize=7, textcoords="offset points",
+                    xytext=(5, 0),
+                )  # fmt: skip
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set_xlim(-0.6, max(0.6, len(labels) - 0.4))
@@ -229,9 +253,12 @@ def _gate_band(
 
 
 def ladder_figure(rungs: list[Rung], path: Path, title: str) -> Path:
-    """Horizontal bars, fastest at the bottom; each labelled with its speedups."""
+    """Horizontal bars in the run's own order from the top (stock first; a `--prefixes` run
+    then reads as its cumulative ladder, p1, p2, ... down to the whole stack), each
+    labelled with its speedups. Sorting by speed would scramble a ladder whose middle
+    rungs tie (the H200 prefix ladder's p5..p7)."""
     plt = _pyplot()
-    rungs = sorted(rungs, key=lambda r: -r.value)
+    rungs = list(reversed(rungs))  # barh draws the first bar at the bottom
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(rungs) + 1.5))
     colors = [PASS if r.exact else GREY for r in rungs]
     ax.barh([r.stack for r in rungs], [r.value for r in rungs], color=colors)
@@ -299,6 +326,7 @@ def holdout_evaluations(store: Store, protocol: Protocol, workload: str) -> list
                 "verdict": a["status"],
                 "flagged": a["flagged"],
                 "deltas": deltas,
+                "meaningful": not random_weights(result.job.model),
             }
         )
     return out
@@ -344,8 +372,12 @@ def render_all(
         quality = stack_quality(result, load_rows(store, screen_run), protocol)
         metrics = tuple(m for m in SCREEN_METRICS if m in protocol.quality.metrics)
         title = f"Quality screen · run {screen_run[:8]} ({result.job.workload.name})"
-        quality_screen_figure(quality, out_dir / "quality_screen.png", title, metrics)
-        manifest["figures"]["quality_screen.png"] = {"runs": [screen_run]}
+        meaningful = not random_weights(result.job.model)
+        quality_screen_figure(quality, out_dir / "quality_screen.png", title, metrics, meaningful)
+        manifest["figures"]["quality_screen.png"] = {
+            "runs": [screen_run],
+            "quality": "judged" if meaningful else NOT_MEANINGFUL,
+        }
     else:
         manifest["skipped"]["quality_screen.png"] = "no scored run"
     if evaluations and protocol.quality.gates:

@@ -10,10 +10,17 @@ experiment point in time order. A point is:
 - 'unverified': approximate (or declared exact with fidelity not measured) and unscored:
   its speed says nothing about its quality yet.
 A point from a noisy run (metrics.noise_reasons) is an 'alert' too: its speed is not to be
-trusted. The frontier is the cumulative best speedup over 'pass' points only; the rest are
-drawn apart, like the hollow point of a research write-up's Figure 1. A point's speedup is
-the headline stored with its run (`speedup_paired`, with its CI): the number `show`, `gate`
-and `ledger` print.
+trusted. On random weights no point is judged on quality (Family.random_weights): an exact
+stack inside fidelity tolerance passes, an approximate one stays 'unverified' ("quality not
+meaningful: random weights").
+
+The frontier is built from gate decisions (under this protocol, on runs in scope): the
+cumulative best of accepted stacks, each at the headline of the run it was accepted on, its
+holdout paired estimate; flags the decision overrode are named with it. A stack the gate
+retained is an 'alert' (with the gate's why) and never the best. Stacks never gated are
+shown apart, as `dev_only`: the cumulative best of their 'pass' points, labelled "dev only,
+not gated". A point's speedup is the headline stored with its run (`speedup_paired`, with
+its CI): the number `show`, `gate` and `ledger` print.
 """
 
 from __future__ import annotations
@@ -26,11 +33,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from orchestrate.api.config import ModelSpec
 from orchestrate.api.protocol import Protocol, ProtocolError, split_phase
 from orchestrate.research.decide import (
+    NOT_MEANINGFUL,
     check_coverage,
     check_gates,
+    decision_view,
     hardware_key,
     list_decisions,
     model_key,
+    random_weights,
 )
 from orchestrate.research.holdout import list_audits
 from orchestrate.research.noise import AA_SUFFIX
@@ -41,6 +51,9 @@ if TYPE_CHECKING:
     from orchestrate.store.store import Store
 
 Status = Literal["pass", "alert", "unverified"]
+Gated = Literal["accepted", "retained", "not gated"]
+GATED_LABEL = "holdout paired"  # what a gated step's speedup is
+DEV_ONLY_LABEL = "dev only, not gated"
 
 
 @dataclass
@@ -61,6 +74,8 @@ class Point:
     rtf_ratio: float | None = None  # the aggregate RTF ratio, shown beside it only
     exactness: str = "exact"  # metrics.exactness: exact, failed, unmeasured, approximate
     noisy: list[str] = field(default_factory=list)  # metrics.noise_reasons of its run
+    gate: Gated = "not gated"  # the newest gate decision on its stack, in scope
+    quality: str = "judged"  # or "not scored", or NOT_MEANINGFUL (random weights)
 
 
 @dataclass
@@ -70,26 +85,35 @@ class Frontier:
     hardware: str | None
     protocol: str
     points: list[Point]
-    frontier: list[dict[str, Any]]  # where the cumulative best unflagged speedup rises
+    frontier: list[dict[str, Any]]  # where the best accepted (holdout paired) speedup rises
     pareto_metric: str
     pareto: list[dict[str, Any]]
     excluded: dict[str, int]
+    dev_only: list[dict[str, Any]] = field(default_factory=list)  # never gated: apart
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _flagged_hashes(store: Store, workload: str) -> dict[str, list[str]]:
-    """spec hash -> why a phase gate or the holdout audit flagged that stack."""
+    """spec hash -> why the holdout audit flagged that stack."""
     why: dict[str, list[str]] = defaultdict(list)
-    for d in list_decisions(store, workload):
-        gate = d["reasons"].get("causes", {}).get("gate")
-        if d["verdict"] == "retain" and gate:
-            why[d["spec_hash"]].append(f"phase gate: {gate}")
     for a in list_audits(store, workload):
         if a["flagged"]:
             why[a["stack_hash"]].append("holdout reuse: " + "; ".join(a["flags"]))
     return why
+
+
+def _decisions(
+    store: Store, workload: str, digest: str, runs: set[str]
+) -> dict[str, dict[str, Any]]:
+    """spec hash -> the newest gate decision on it under this protocol, made on a run in
+    scope (so on this model and hardware), with its view (decide.decision_view)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for d in list_decisions(store, workload):  # oldest first: the newest stays
+        if d["protocol_hash"] == digest and d["run_id"] in runs:
+            latest[d["spec_hash"]] = d
+    return {h: {**d, "view": decision_view(store, d)} for h, d in latest.items()}
 
 
 def collect(
@@ -120,6 +144,7 @@ def collect(
     newest = store.get_result(runs[-1][0]["id"]) if runs else None
     wanted_model = model_key(model) if model else newest and model_key(newest.job.model)
     hardware = hardware or (newest and hardware_key(newest.environment))
+    kept = []
     for run, phase in runs:
         result = store.get_result(run["id"])
         if model_key(result.job.model) != wanted_model:
@@ -134,9 +159,21 @@ def collect(
         if not any(HEADLINE in sr.metrics for sr in result.results[1:]):
             excluded[f"no {HEADLINE} stored (no paired utterances, or an older record)"] += 1
             continue
-        points += _points(store, run["id"], phase, result, protocol, flagged, len(points))
+        kept.append((run["id"], phase, result))
+    decisions = _decisions(store, workload, digest, {run_id for run_id, _, _ in kept})
+    for run_id, phase, result in kept:
+        points += _points(
+            store, run_id, phase, result, protocol, flagged, decisions, len(points)
+        )
     return _finish(
-        workload, wanted_model, hardware, protocol, points, pareto_metric, dict(excluded)
+        workload,
+        wanted_model,
+        hardware,
+        protocol,
+        points,
+        pareto_metric,
+        dict(excluded),
+        decisions,
     )
 
 
@@ -147,10 +184,13 @@ def _points(
     result: Any,
     protocol: Protocol,
     flagged: dict[str, list[str]],
+    decisions: dict[str, dict[str, Any]],
     start: int,
 ) -> list[Point]:
     rows = load_rows(store, run_id)
     quality = stack_quality(result, rows, protocol) if rows else None
+    random = random_weights(result.job.model)  # scores of random weights judge nothing
+    judged = quality is not None and bool(protocol.quality.gates) and not random
     stock = result.results[0]
     noisy = [r for sr in result.results[1:] for r in noise_reasons(sr.stack.name, sr.metrics)]
     out = []
@@ -159,10 +199,16 @@ def _points(
         if sr.stack.name.endswith(AA_SUFFIX) or sr.status in ("failed", "refused") or not speedup:
             continue  # crashes live in the failure ledger, not on a speed plot
         spec_hash = sr.stack.content_hash()
+        decision = decisions.get(spec_hash)
+        gate: Gated = "not gated"
+        if decision is not None:
+            gate = "accepted" if decision["verdict"] == "accept" else "retained"
         reasons = list(flagged.get(spec_hash, []))
+        if decision is not None and gate == "retained":  # never the best, whatever its speed
+            reasons.append(f"retained by the gate: {decision['view']['why']}")
         reasons += [f"noisy run: {n}" for n in noisy]
         deltas: dict[str, float] = {}
-        if quality is not None:
+        if quality is not None and not random:
             q_stock, q_cand = quality[stock.stack.name], quality[sr.stack.name]
             deltas = {
                 m: q_cand.values[m] - q_stock.values[m]
@@ -179,9 +225,10 @@ def _points(
         if exact == "failed":
             reasons.append("exact stack outside fidelity tolerance (exactness failed)")
         status: Status = "alert" if reasons else "pass"
-        unscored = quality is None or not protocol.quality.gates
+        unscored = not judged
         if not reasons and not sr.exact and unscored:
-            status, reasons = "unverified", ["approximate; quality not scored against gates"]
+            why = f"quality {NOT_MEANINGFUL}" if random else "quality not scored against gates"
+            status, reasons = "unverified", [f"approximate; {why}"]
         if not reasons and exact == "unmeasured" and unscored:
             # the plugin's claim alone: no fidelity measured it, no scores either
             status, reasons = "unverified", ["declared exact, fidelity not measured; unscored"]
@@ -203,6 +250,8 @@ def _points(
                 rtf_ratio=sr.metrics.get(AGGREGATE),
                 exactness=exact,
                 noisy=noisy,
+                gate=gate,
+                quality=NOT_MEANINGFUL if random else "judged" if judged else "not scored",
             )
         )
     return out
@@ -216,12 +265,28 @@ def _finish(
     points: list[Point],
     pareto_metric: str | None,
     excluded: dict[str, int],
+    decisions: dict[str, dict[str, Any]] | None = None,
 ) -> Frontier:
+    at = {(p.run_id, p.spec_hash): p for p in points}
+    accepted = sorted(
+        (d for d in (decisions or {}).values() if d["verdict"] == "accept"),
+        key=lambda d: (d["created_at"], d["id"]),
+    )
     steps, best = [], 1.0  # stock is where every frontier starts
-    for p in points:
-        if p.status == "pass" and p.speedup > best:
+    for d in accepted:  # each at the run it was accepted on: the holdout's paired estimate
+        p = at.get((d["run_id"], d["spec_hash"]))
+        if p is not None and p.speedup > best:
             best = p.speedup
-            steps.append({"index": p.index, "speedup": p.speedup, "stack": p.stack})
+            view = d["view"]
+            steps.append(
+                _step(p, (view["headline"] or {}).get("label", GATED_LABEL))
+                | {"overridden": view["overridden"], "quality": view["quality"]}
+            )
+    dev_only, best = [], 1.0
+    for p in points:
+        if p.gate == "not gated" and p.status == "pass" and p.speedup > best:
+            best = p.speedup
+            dev_only.append(_step(p, DEV_ONLY_LABEL))
     defs = protocol.quality.metrics
     if pareto_metric is not None and pareto_metric not in defs:
         raise ProtocolError(f"unknown metric {pareto_metric!r}; defined: {sorted(defs)}")
@@ -240,7 +305,19 @@ def _finish(
         metric,
         pareto(points, metric, lower),
         excluded,
+        dev_only,
     )
+
+
+def _step(p: Point, label: str) -> dict[str, Any]:
+    return {
+        "index": p.index,
+        "speedup": p.speedup,
+        "ci_low": p.ci_low,
+        "ci_high": p.ci_high,
+        "stack": p.stack,
+        "label": label,
+    }
 
 
 def pareto(points: list[Point], metric: str, lower_is_better: bool) -> list[dict[str, Any]]:

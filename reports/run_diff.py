@@ -12,6 +12,9 @@ is the difference alone (mlflow#10477). Three parts, each leaving out what is eq
 
 Measured floats in the environment (clocks, power, the measured copy bandwidth) move a
 little from run to run; they count as changed only beyond the same threshold.
+
+Runs measured under different protocols (another version or hash) are not compared:
+`diff_runs` refuses them, or with `allow_protocol_mismatch` says so in `protocol_mismatch`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrate.api.protocol import ProtocolError, require_same
 from orchestrate.api.records import flatten
 
 # Per-run bookkeeping (always different, never informative) and the stacks (diffed one by one).
@@ -58,6 +62,7 @@ class RunDiff:
     stacks: dict[str, list[Change]] = field(default_factory=dict)
     metrics: list[MetricChange] = field(default_factory=list)
     unchanged_metrics: int = 0
+    protocol_mismatch: str | None = None  # set only when allowed: the numbers do not compare
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,11 +107,33 @@ def stack_settings(stack: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def diff_runs(a: dict[str, Any], b: dict[str, Any], threshold: float = 0.02) -> RunDiff:
-    """`a` and `b` are `Store.get_run` rows (utterances not needed)."""
+def protocol_mismatch(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Why runs `a` and `b` (run rows) were measured under different protocols, or None."""
+    label = {
+        f"{side}: run {r['id'][:8]} v{r.get('protocol_version')}": r.get("protocol_hash")
+        for side, r in (("a", a), ("b", b))
+    }
+    try:
+        require_same(label)  # the one check every comparison of results goes through
+    except ProtocolError as exc:
+        return str(exc)
+    return None
+
+
+def diff_runs(
+    a: dict[str, Any],
+    b: dict[str, Any],
+    threshold: float = 0.02,
+    allow_protocol_mismatch: bool = False,
+) -> RunDiff:
+    """`a` and `b` are `Store.get_run` rows (utterances not needed). Runs under different
+    protocols raise ProtocolError unless `allow_protocol_mismatch`, which marks the diff."""
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
-    out = RunDiff(a["id"], b["id"], threshold)
+    mismatch = protocol_mismatch(a, b)
+    if mismatch and not allow_protocol_mismatch:
+        raise ProtocolError(f"{mismatch}; --allow-protocol-mismatch shows the diff, marked")
+    out = RunDiff(a["id"], b["id"], threshold, protocol_mismatch=mismatch)
     out.settings = changes(settings_of(a), settings_of(b), threshold)
     stacks_a = {s["name"]: s for s in a["stacks"]}
     stacks_b = {s["name"]: s for s in b["stacks"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -12,9 +13,13 @@ from orchestrate.running.metrics import (
     AGGREGATE,
     AGGREGATE_LABEL,
     EXACT_CELL,
+    FIDELITY_FAILED,
     HEADLINE,
+    SAME_AUDIO,
+    SAME_AUDIO_ROUNDS,
     exactness,
     headline_label,
+    invalid_reasons,
     noise_reasons,
 )
 
@@ -28,6 +33,8 @@ COLUMNS = [
     ("audio_s_per_compute_s", "audio s/s", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("ms_per_token", "ms/tok", "{:.2f}"),
+    # GPU runs only: the union of device activity per token; far below ms/tok = host-bound
+    ("gpu_busy_ms_per_step", "GPU-busy ms/tok", "{:.2f}"),
     ("achieved_gb_s", "GB/s", "{:.0f}"),
     ("fraction_of_floor", "of floor", "{:.0%}"),
     (HEADLINE, "speedup", ""),  # header and cell: headline_label, headline_cell
@@ -35,7 +42,8 @@ COLUMNS = [
 ]
 # What a fidelity figure covers, unless the family says (a `fidelity_covers` attribute):
 # the teacher-forced pass runs the model's step (decoder, projections, attention, head),
-# never the sampler or the generation loop, so it cannot vouch for an exact claim there.
+# never the sampler or the generation loop; those get tests of their own only where a
+# technique fills them (each record's `covers` says which ran), so the run-level line says so.
 UNCOVERED_SLOTS = ("sampler", "loop")
 
 
@@ -51,9 +59,17 @@ def headline_cell(m: Mapping[str, float], suffix: str = "") -> str:
 def stack_exactness(s: Mapping[str, Any]) -> str:
     """A stored stack's (get_run row) measured exactness: metrics.exactness."""
     fid = s.get("fidelity")
-    techniques = len((s.get("spec") or {}).get("techniques", [None]))
     within = None if not fid else bool(fid["within_tolerance"])
-    return exactness(bool(s.get("exact", True)), within, techniques)
+    return exactness(bool(s.get("exact", True)), within, _techniques(s))
+
+
+def exact_cell(s: Mapping[str, Any]) -> str:
+    """The `exact` column: the measured verdict, and `partly unmeasured` where fidelity
+    never ran some slot the stack's techniques fill (a sampler, a loop)."""
+    verdict = stack_exactness(s)
+    if verdict == "exact" and ((s.get("fidelity") or {}).get("not_covered")):
+        return "yes (partly unmeasured)"
+    return EXACT_CELL[verdict]
 
 
 def run_noise(run_row: Mapping[str, Any]) -> list[str]:
@@ -63,11 +79,90 @@ def run_noise(run_row: Mapping[str, Any]) -> list[str]:
 
 def annotate(run_row: dict[str, Any]) -> dict[str, Any]:
     """A get_run row with the verdicts `show --json` carries: per stack `exactness`
-    (exact, failed, unmeasured, approximate) and the run's `noisy` reasons ([]: clean)."""
+    (exact, failed, unmeasured, approximate), `invalid` reasons ([]: none) and `warnings`
+    (what its record lacks or flags), and the run's `noisy` reasons ([]: clean)."""
+    _record_fields(run_row)
     for s in run_row.get("stacks", []):
         s["exactness"] = stack_exactness(s)
+        s["invalid"] = invalid_reasons(s.get("metrics", {}), s.get("invalid_reason"))
+        s["warnings"] = stack_warnings(s)
     run_row["noisy"] = run_noise(run_row)
     return run_row
+
+
+def _record_fields(run_row: dict[str, Any]) -> None:
+    """Copy the guard fields the store has no column for (the fidelity error's text, the
+    invalid reason, the same-audio pair) from the run's result record, where it is still on
+    disk; without it, the stored metrics still carry each verdict."""
+    from orchestrate.api.records import ResultRecord
+
+    try:
+        record = ResultRecord.read(Path(run_row["result_path"]))
+    except Exception:  # no path, moved, or another schema: the metrics answer alone
+        return
+    if record.job.job_id != run_row.get("job_id"):
+        return  # a folder reused since: another run's record
+    by_name = {r.stack.name: r for r in record.results}
+    for s in run_row.get("stacks", []):
+        if (r := by_name.get(s["name"])) is not None:
+            s.setdefault("fidelity_error", r.fidelity_error)
+            s.setdefault("invalid_reason", r.invalid)
+            same = r.audio_independent_of_input
+            s.setdefault("audio_independent_of_input", same and same.model_dump())
+
+
+def stack_warnings(s: Mapping[str, Any]) -> list[str]:
+    """What a stored stack's numbers rest on that is missing or suspect, one line each:
+    timings faster than their floor, audio that ignores its input, fidelity that failed,
+    was not measured, or never ran some of the slots its techniques fill."""
+    m, name = s.get("metrics") or {}, s["name"]
+    out = [f"{name}: INVALID: {r}" for r in invalid_reasons(m, s.get("invalid_reason"))]
+    if m.get(SAME_AUDIO):
+        out.append(f"{name}: audio independent of input: {_same_audio(s)}")
+    fid = s.get("fidelity")
+    if m.get(FIDELITY_FAILED):
+        why = s.get("fidelity_error") or "its error is in the run's result record"
+        out.append(f"{name}: fidelity failed ({why}): exactness unmeasured")
+    elif not fid and s.get("status") in ("ok", "partial") and _techniques(s):
+        out.append(f"{name}: no fidelity recorded: exactness unmeasured")
+    elif fid and fid.get("not_covered"):
+        slots = ", ".join(f"{slot} ({t})" for slot, t in fid["not_covered"].items())
+        out.append(f"{name}: fidelity never ran its {slots}: not measured there")
+    return out
+
+
+def _techniques(s: Mapping[str, Any]) -> int:
+    return len((s.get("spec") or {}).get("techniques", [None]))
+
+
+def _same_audio(s: Mapping[str, Any]) -> str:
+    """The pair whose waveforms are the same, from the record or the stored rounds."""
+    if same := s.get("audio_independent_of_input"):
+        return (
+            f"{same['a']} and {same['b']} (different {same['differs_in']}) give the same waveform"
+        )
+    m = s.get("metrics") or {}
+    rounds = [int(m.get(k, -1)) for k in SAME_AUDIO_ROUNDS]
+    by_round = {u["round"]: u for u in s.get("utterances") or []}
+    said = [
+        f"{u['prompt_id']}/seed {u['seed']}" if (u := by_round.get(r)) else f"round {r}"
+        for r in rounds
+    ]
+    return f"{said[0]} and {said[1]} give the same waveform"
+
+
+def environment_line(env: Mapping[str, Any] | None) -> str:
+    """What the numbers were measured on, host CPU included (a stock figure is the host's
+    as much as the device's): device, CPU model, cores, max clock, single-thread speed."""
+    env = env or {}
+    cpu = [env.get("cpu_model") or "CPU ?", f"{env.get('cpu_count', '?')} logical cores"]
+    if env.get("cpu_max_mhz"):
+        cpu.append(f"max {env['cpu_max_mhz'] / 1e3:.2f} GHz")
+    if env.get("cpu_single_thread_ms"):
+        cpu.append(f"single-thread loop {env['cpu_single_thread_ms']:.1f} ms")
+    parts = [env.get("device_name") or "?", "host " + ", ".join(cpu)]
+    parts += [f"torch {env['torch']}"] if env.get("torch") else []
+    return "environment: " + " · ".join(parts)
 
 
 def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: float = 0.95) -> Table:
@@ -104,6 +199,8 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
         for key, _, fmt in columns:
             if key in (HEADLINE, AGGREGATE) and i == 0:
                 cells.append("baseline")
+            elif key == HEADLINE and invalid_reasons(m, s.get("invalid_reason")):
+                cells.append("INVALID")  # a time faster than its floor is no speedup
             elif key.startswith(HEADLINE):
                 cells.append(headline_cell(m, key.removeprefix(HEADLINE)))
             else:
@@ -112,7 +209,9 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
         # The names and reasons go under the table (skipped_lines): a cell would wrap.
         status = s["status"] + (f" ({len(s['skipped'])} skipped)" if s.get("skipped") else "")
         status += " · noisy" if noise_reasons(s["name"], m) else ""
-        table.add_row(s["name"], status, *cells, valid, EXACT_CELL[stack_exactness(s)])
+        status += " · INVALID" if invalid_reasons(m, s.get("invalid_reason")) else ""
+        status += " · same audio" if m.get(SAME_AUDIO) else ""
+        table.add_row(s["name"], status, *cells, valid, exact_cell(s))
     return table
 
 
@@ -132,8 +231,28 @@ def fidelity_scope(family: str | None) -> str:
     return (
         "fidelity covers: teacher-forced next-step logits vs stock"
         + (f" ({', '.join(slots)} slots)" if slots else "")
-        + (f"; not the {' or '.join(missing)} slots" if missing else "")
+        + (
+            f"; the {' and '.join(missing)} slots only where a technique fills them "
+            "(sampler: draws vs stock's sampler; loop: tokens vs stock's loop), per stack below"
+            if missing
+            else ""
+        )
     )
+
+
+def slot_checks_line(name: str, fid: Mapping[str, Any]) -> str | None:
+    """One line for the sampler and loop tests a stack's fidelity ran, or None."""
+    parts = []
+    if fid.get("sampler_tv") is not None:
+        ok = fid["sampler_tv"] <= fid["sampler_tv_bound"]
+        parts.append(
+            f"sampler TV {fid['sampler_tv']:.3f} vs bound {fid['sampler_tv_bound']:.3f} "
+            f"({fid.get('sampler_draws')} draws per row): {'same' if ok else 'NOT the same'} "
+            "distribution as stock's sampler"
+        )
+    if fid.get("loop_tokens_identical") is not None:
+        parts.append(f"loop: {fid.get('loop_note')}")
+    return f"{name}: " + "; ".join(parts) if parts else None
 
 
 def skipped_lines(stacks: list[dict[str, Any]]) -> list[str]:

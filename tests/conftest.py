@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+from types import ModuleType
+
 import pytest
 from factories import MakeResult, fabricate_result
 
@@ -9,7 +13,33 @@ from orchestrate.api.config import ModelSpec
 
 pytest_plugins = ["omnivoice_fixtures"]  # family, model, engine_for of the OmniVoice tests
 
+# CI sets it: a missing or broken optional install fails instead of skipping.
+REQUIRE = os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1"
+
+
+def require_or_skip(
+    pkg: str, *, gpu: bool = False, exc_type: type[BaseException] = ImportError
+) -> ModuleType:
+    """Import `pkg`, or skip saying why (also at module level). Under
+    ORCHESTRATE_REQUIRE_QUALITY=1, or for a GPU-only package (`gpu`) on a CUDA host, a failed
+    import fails instead: a broken install must never pass as a skip."""
+    try:
+        return importlib.import_module(pkg)
+    except exc_type as exc:
+        why = f"{pkg} cannot be imported ({type(exc).__name__}: {exc})"
+        if REQUIRE or (gpu and _cuda()):
+            pytest.fail(f"{why}; required here (ORCHESTRATE_REQUIRE_QUALITY=1 or CUDA)")
+        pytest.skip(why, allow_module_level=True)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 # ------------------------------------------ store/tracking tests: fabricated result records
+
 
 @pytest.fixture(scope="session")
 def make_result_record() -> MakeResult:

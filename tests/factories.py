@@ -1,4 +1,5 @@
-"""Record factories shared by the tests: fabricated results, stacks and utterances.
+"""Record factories shared by the tests: fabricated results, stacks and utterances, and the
+CLI run as a user runs it (`run_cli`).
 
 One place, so a change to the record schema is made once. `fabricate_result` is a realistic
 finished run with awkward floats (round trips must be exact); `utterances`, `stack_result`
@@ -8,6 +9,8 @@ and `result_record` build timed results whose speedups a test chooses.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import wave
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -24,6 +27,21 @@ from orchestrate.api.records import (
 )
 
 MakeResult = Callable[..., ResultRecord]
+
+
+def run_cli(
+    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """`python -m orchestrate.cli ARGS` in a subprocess (its own exit code, stdout and
+    stderr, as a user sees them), with `env` and `cwd`."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrate.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _write_wav(path: Path, frames: int = 240) -> None:

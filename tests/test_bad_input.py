@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import run_cli as cli
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.records import JobSpec
@@ -46,17 +47,6 @@ def env(tmp_path: Path) -> dict[str, str]:
         "ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'runs.db'}",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-def cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrate.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def refused(args: list[str], env: dict[str, str], cwd: Path) -> str:

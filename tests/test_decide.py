@@ -123,15 +123,23 @@ def test_verdicts_and_their_causes() -> None:
     gate_bad = decide.GateCheck("wer", "wer Δ ≤ +0.02", 0.05, 0.1, 0.05, False, "Δ +0.05")
     cand = stack_result(FAST, 0.6)
 
-    assert decide.judge(cand, [ok_speed], [gate_ok]).verdict == "accept"
+    accepted = decide.judge(cand, [ok_speed], [gate_ok])
+    assert accepted.verdict == "accept" and accepted.quality == "judged"
+    assert not accepted.overridden and "wer: ok Δ +0.01" in accepted.reasons
+    # 1.02x: faster than stock, but its CI does not clear the 1.05 bar: not "slower"
     v = decide.judge(cand, [slow], [gate_bad])
-    assert v.verdict == "retain" and set(v.causes) == {"slower", "gate"}
-    assert "wer" in v.causes["gate"] and "0.970" in v.causes["slower"]
+    assert v.verdict == "retain" and set(v.causes) == {"below the noise bar", "gate"}
+    assert "wer" in v.causes["gate"] and "0.970" in v.causes["below the noise bar"]
+    slower = decide.SpeedCheck("remeasure", "stock", 8, 0.9, 0.8, 0.96, 0.95, 1.05, "ci_low", False)
+    assert set(decide.judge(cand, [slower]).causes) == {"slower"}
 
     flagged = decide.judge(cand, [ok_speed], [gate_ok], ["re-tuned after seeing holdout"])
     assert flagged.verdict == "retain" and "re-tuned" in flagged.causes["gate"]
+    assert not flagged.overridden  # retained on it, not overridden
     allowed = decide.judge(cand, [ok_speed], [gate_ok], ["re-tuned"], allow_flagged=True)
     assert allowed.verdict == "accept" and any("overridden" in r for r in allowed.reasons)
+    assert allowed.overridden == ["re-tuned (--allow-holdout-reuse)"]
+    assert allowed.to_dict()["overridden"] == allowed.overridden  # in the decision row
 
     oom = cand.model_copy(update={"status": "failed", "error": "OOM: CUDA out of memory"})
     v = decide.judge(oom, [ok_speed])
@@ -208,4 +216,12 @@ def test_champion_alias_in_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ] == out["mlflow_model"]  # fmt: skip
     version = tracking.champion_version(name)
     assert version["run_id"] == child and version["tags"]["stack"] == "fast"
-    assert tracking.client().get_run(child).data.tags["champion"] == "true"
+    # the number it was accepted on, labelled by its run's phase (a dev run here), and
+    # nothing overridden
+    assert version["tags"]["gate.headline"] == "dev paired"
+    assert version["tags"]["gate.overridden"] == "none"
+    assert float(version["tags"]["gate.speedup_paired"]) == pytest.approx(
+        out["headline"]["speedup_paired"], rel=1e-3
+    )
+    tags = tracking.client().get_run(child).data.tags
+    assert tags["champion"] == "true" and tags["gate.verdict"] == "accept"

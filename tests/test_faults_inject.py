@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import run_cli as cli
 
 from orchestrate.store.store import Store
 
@@ -49,17 +50,6 @@ def env(tmp_path: Path) -> dict[str, str]:
         "ORCHESTRATE_CODE_SHA": "fa17fa17fa17fa17fa17fa17fa17fa17fa17fa17",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-def cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrate.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def one_line(stderr: str) -> str:

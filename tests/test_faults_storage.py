@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from factories import MakeResult
+from factories import run_cli as cli
 
 from orchestrate.running import runner
 from orchestrate.store.store import Store
@@ -42,17 +43,6 @@ def env(tmp_path: Path) -> dict[str, str]:
         "ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'runs.db'}",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-def cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrate.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def one_error(proc: subprocess.CompletedProcess[str], *expected: str) -> str:

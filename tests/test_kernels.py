@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_or_skip
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -57,7 +59,7 @@ def _load(name: str) -> object:
 
 
 with _interpreter(not CUDA and IN_PROCESS):
-    pytest.importorskip("triton")
+    require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
         ep, gemv, attn, samp, rn, g6 = (_load(n) for n in ("epilogue",
@@ -83,9 +85,19 @@ def _only_in_process(request: pytest.FixtureRequest) -> None:
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already run in this process")
 def test_interpreted_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-rs", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:] + proc.stderr[-2000:]
+    # Exit 0 is also what a child that skipped everything returns: count what it ran. Every
+    # collected test passed, except GPU ones and this one (already in its own process).
+    collected = int(re.search(r"collected (\d+) items", out)[1])  # type: ignore[index]
+    passed = int(re.search(r"(\d+) passed", out)[1])  # type: ignore[index]
+    skips = [(int(n), why) for n, why in re.findall(r"SKIPPED \[(\d+)\] \S+:\d+: (.*)", out)]
+    allowed = ("needs a CUDA GPU", "kernels already run in this process")
+    assert all(why.startswith(allowed) for _, why in skips), skips
+    assert passed + sum(n for n, _ in skips) == collected, out[-3000:]
+    assert passed >= 100, out[-3000:]  # this file's CPU tests: 102 when written
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -420,7 +432,7 @@ def test_layer_norm_and_residual_add(dtype: torch.dtype) -> None:
 
 
 def test_layer_norm_matches_cohere2_module() -> None:
-    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
+    mod = require_or_skip("transformers.models.cohere2.modeling_cohere2")
     norm = mod.Cohere2LayerNorm(256, eps=1e-5).to(DEVICE)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(256) + 0.5)
@@ -456,7 +468,7 @@ def test_rope_and_cache_write(rotary: bool, dtype: torch.dtype) -> None:
 
 
 def test_rope_matches_transformers_cohere2() -> None:
-    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
+    mod = require_or_skip("transformers.models.cohere2.modeling_cohere2")
     cos, sin = rn.rope_cos_sin(4096, theta=50000.0, dtype=torch.float32, device=DEVICE)
     q, k, v = _packed_qkv(torch.float32)
     kc = vc = torch.zeros(4, 8, 128, device=DEVICE)
@@ -469,8 +481,8 @@ def test_rope_matches_transformers_cohere2() -> None:
 
 
 def test_rope_table_matches_transformers_rotary_embedding() -> None:
-    mod = pytest.importorskip("transformers.models.cohere2.modeling_cohere2")
-    cfg_mod = pytest.importorskip("transformers.models.cohere2.configuration_cohere2")
+    mod = require_or_skip("transformers.models.cohere2.modeling_cohere2")
+    cfg_mod = require_or_skip("transformers.models.cohere2.configuration_cohere2")
     config = cfg_mod.Cohere2Config(
         hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
         max_position_embeddings=8192,
@@ -654,3 +666,4 @@ def test_gpu_real_shapes_graphs_and_pdl() -> None:
     assert int(counter) == 4
     support = samp.top_k_probs_ref(logits) > 0
     assert all(bool(support[t]) for t in seen)
+

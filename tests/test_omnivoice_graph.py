@@ -5,12 +5,14 @@ temperature 0, where slot_loop is deterministic: the codes must be identical. Th
 capture the same steps and compare again, then check replays and seeds.
 """
 
+# ruff: noqa: E402 -- imports follow require_or_skip: they need omnivoice
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_or_skip
 
-pytest.importorskip("omnivoice", exc_type=ImportError)
+require_or_skip("omnivoice")  # needs a torchaudio that matches torch
 
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload, load_stack

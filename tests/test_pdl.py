@@ -119,10 +119,22 @@ def test_kernels_hidden_in_a_conditional_graph_are_not_reported_as_zero(monkeypa
 
     from orchestrate.api import device as launches
 
-    counts = iter([{"kernels": 30, "launches": 5}, {"kernels": 30, "launches": 5}])
+    same = {"kernels": 30, "launches": 5, "busy_us": 100.0}
+    counts = iter([same, same])
     monkeypatch.setattr(launches, "count_launches", lambda fn, device: (fn(), next(counts))[1])
     out = launches.per_step(lambda frames: frames * 8, torch.device("cuda"))
     assert out == {"launches_per_step": 0.0}
-    counts = iter([{"kernels": 30, "launches": 5}, {"kernels": 90, "launches": 21}])
+    counts = iter([same, {"kernels": 90, "launches": 21, "busy_us": 420.0}])
     out = launches.per_step(lambda frames: frames * 8, torch.device("cuda"))
-    assert out == {"launches_per_step": 1.0, "kernels_per_step": 3.75}
+    # 16 more tokens: 60 kernels, 16 launches, 320 us of device time more
+    assert out == {"launches_per_step": 1.0, "kernels_per_step": 3.75, "gpu_busy_ms_per_step": 0.02}
+
+
+def test_gpu_busy_time_is_the_union_of_device_intervals():
+    """Overlapping kernels (PDL, two streams) count once; gaps (host work) not at all."""
+    from orchestrate.api.device import union_us
+
+    assert union_us([]) == 0.0
+    assert union_us([(0, 10), (20, 25)]) == 15.0  # the gap 10..20 is host time
+    assert union_us([(0, 10), (5, 12), (6, 8)]) == 12.0  # overlaps once, nested inside
+    assert union_us([(20, 25), (0, 10)]) == 15.0  # order of events does not matter

@@ -311,7 +311,7 @@ prompts:
 - {id: s1, text: "The morning train was late again, so I walked along the river."}
 - {id: s2, text: "Please water the plants on the balcony before you leave."}
 - {id: s3, text: "She opened the letter slowly, unsure what it would say."}
-- {id: s4, text: "Every evening the old dog waits by the gate for the children."}
+- {id: s4, text: "The ferry leaves at noon, so pack a lunch and bring a warm coat."}
 seeds: [42]
 voice: joe
 warmups: 1

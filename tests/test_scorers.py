@@ -171,15 +171,22 @@ def test_reference_scorers_without_weights_are_unavailable(no_reference_weights)
         assert not scorer.loaded
 
 
-def test_distillmos_is_unavailable_or_real():
+@needs_piper
+def test_distillmos_scores_clean_speech_above_noisy(piper_clips):
+    """DistillMOS is optional (its own wheel): required under ORCHESTRATE_REQUIRE_QUALITY=1,
+    else skipped saying why. Where it loads it must really score: Piper's clean sentence
+    near 4, the same at 0 dB SNR at least a point lower (measured 4.14 vs 2.00)."""
     scorer = create_scorers(["distillmos"])[0]
     try:
         scorer.load()
     except ScorerUnavailable as e:
-        assert "torchaudio" in e.reason or "not installed" in e.reason
-    else:  # a machine with a torchaudio that loads: then it must really score
-        x = np.sin(np.linspace(0, 2000, 32000)).astype(np.float32) * 0.1
-        assert 1.0 <= scorer.score(x, 16000)["mos"] <= 5.0
+        if REQUIRE:
+            pytest.fail(f"ORCHESTRATE_REQUIRE_QUALITY=1 and distillmos is unavailable: {e.reason}")
+        pytest.skip(f"distillmos unavailable: {e.reason}")
+    clips, sr = piper_clips
+    clean = scorer.score(clips[0], sr)["mos"]
+    noisy = scorer.score(add_noise(clips[0], 0), sr)["mos"]
+    assert 3.5 <= clean <= 5.0 and 1.0 <= noisy <= clean - 1.0, (clean, noisy)
 
 
 def test_resolve_strict_refuses_the_offline_fallback(no_reference_weights):

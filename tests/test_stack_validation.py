@@ -41,6 +41,18 @@ def test_slot_conflict():
         build_stack(stack("audio_head", "codebook_head"))
 
 
+def test_a_conflict_declared_by_either_technique_holds_in_either_order():
+    """graph_loop declares the conflict with cuda_graph, cuda_graph does not: the stack that
+    put cuda_graph after graph_loop used to validate and then fail in its warm-up on the
+    H200 (exploration 0b81eb6cc7a9, candidate #1)."""
+    loop = ("static_kv_cache", "device_sampler", "graph_loop")
+    assert "graph_loop" not in registry.get("cuda_graph").conflicts  # declared one way only
+    with pytest.raises(StackError, match="'cuda_graph' conflicts with 'graph_loop'"):
+        build_stack(stack(*loop, "cuda_graph"))
+    with pytest.raises(StackError, match="'graph_loop' conflicts with 'cuda_graph'"):
+        build_stack(stack("static_kv_cache", "device_sampler", "cuda_graph", "graph_loop"))
+
+
 def test_order_and_missing_dependency():
     with pytest.raises(StackError, match="needs 'static_kv_cache' applied before.*missing"):
         build_stack(stack("packed_projections"))

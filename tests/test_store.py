@@ -62,6 +62,43 @@ def set_run(url: str, run_id: str, **values: object) -> None:
 # ------------------------------------------------------------------------------ schema
 
 
+def test_an_0004_database_upgrades_keeping_its_candidates_and_takes_superseded(
+    url: str,
+) -> None:
+    # The CHECK on a candidate's decision grew `superseded` in 0005 (compare_metadata does
+    # not compare CHECKs): an exploration written at 0004 keeps its rows and takes the new one.
+    from alembic import command
+
+    engine = db.make_engine(url)
+    with db.writer(engine).begin() as conn:
+        command.upgrade(db._alembic_config(conn), "0004")
+        conn.exec_driver_sql(
+            "INSERT INTO explorations (id, started_at, status, host, family, model_json, "
+            "workload_name, workload_json, hardware, protocol_hash, protocol_json, root_json, "
+            "champion_json, options_json, jobs, elapsed_s) VALUES ('e1', '2026-12-01', "
+            "'FINISHED', 'h', 'rumik', '{}', 'w', '{}', 'cpu', 'p', '{}', '{}', '{}', '{}', 0, 0)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO exploration_candidates (exploration_id, seq, status, decision, "
+            "proposer, change, proposal_reason, created_at, steps_json, run_ids_json) "
+            "VALUES ('e1', 1, 'decided', 'gate', 'ladder', '+x', '', '2026-12-01', '[]', '[]')"
+        )
+        with pytest.raises(Exception, match="CHECK constraint failed"):
+            conn.exec_driver_sql(
+                "UPDATE exploration_candidates SET decision = 'superseded' WHERE seq = 1"
+            )
+    engine.dispose()
+    db.migrate(url)
+    engine = db.make_engine(url)
+    with db.writer(engine).begin() as conn:
+        conn.exec_driver_sql("UPDATE exploration_candidates SET decision = 'superseded'")
+        rows = conn.exec_driver_sql("SELECT seq, decision FROM exploration_candidates").all()
+        with pytest.raises(Exception, match="CHECK constraint failed"):
+            conn.exec_driver_sql("UPDATE exploration_candidates SET decision = 'maybe'")
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [(1, "superseded")]
+
+
 def test_migration_matches_models_and_sqlite_is_tuned(url: str) -> None:
     db.migrate(url)
     engine = db.make_engine(url)
@@ -72,7 +109,7 @@ def test_migration_matches_models_and_sqlite_is_tuned(url: str) -> None:
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
-    assert version == db.head_revision() == "0003"
+    assert version == db.head_revision() == "0005"
     assert set(inspect(engine).get_table_names()) >= {
         "runs",
         "stacks",

@@ -162,3 +162,20 @@ def test_failed_logging_marks_runs_failed(
     experiment = mlf.get_experiment_by_name(tracking.experiment_name(result))
     [run] = mlf.search_runs([experiment.experiment_id], "tags.run_id = '" + "f" * 32 + "'")
     assert run.info.status == "FAILED"
+
+
+def test_experiments_open_in_the_model_training_view(
+    logged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow 3 shows an experiment without `mlflow.experimentKind` as a GenAI one."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{logged['root'] / 'mlflow.db'}")
+    monkeypatch.chdir(logged["root"])
+    mlf = tracking.client()
+    made = mlf.get_experiment(logged["data"]["experiment_id"])
+    assert made.tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # one made before the kind was set (by an older orchestrate) gets it when next logged to
+    older = mlf.create_experiment("orchestrate/older/smoke")
+    assert tracking.EXPERIMENT_KIND_TAG not in mlf.get_experiment(older).tags
+    assert tracking._experiment_id(mlf, "orchestrate/older/smoke") == older
+    kind = mlf.get_experiment(older).tags[tracking.EXPERIMENT_KIND_TAG]
+    assert kind == "custom_model_development"

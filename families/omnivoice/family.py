@@ -18,6 +18,7 @@ from orchestrate.families.omnivoice.cost import forward_cost
 from orchestrate.families.omnivoice.engine import SLOTS, Engine, stock_engine
 from orchestrate.families.omnivoice.model import OmniVoiceModel, build_model
 from orchestrate.families.omnivoice.presets import PRESETS
+from orchestrate.families.omnivoice.profile import slot_profile
 from orchestrate.families.omnivoice.requests import operating_point, request_kwargs
 
 
@@ -50,6 +51,12 @@ class OmniVoiceFamily(Family):
         engine.finalize()
         engine.config()  # knob errors surface at build time, not in the first timed call
         return engine
+
+    def slot_profile(
+        self, engine: Engine, text: str, seed: int, workload: Workload
+    ) -> dict[str, float]:
+        """Milliseconds per unmasking step per slot (families/omnivoice/profile.py)."""
+        return slot_profile(engine, text, seed, workload, self.synthesize)
 
     def step_bytes(self, engine: Engine, context: float) -> int | None:
         # The worker's floor is per generated token; an unmasking step produces many tokens

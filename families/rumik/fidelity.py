@@ -4,6 +4,10 @@ Every engine is fed the same prompt and the same generated tokens; at each step 
 logits are placed in one canonical space (audio units, then end-of-audio) so heads of any
 width compare. Exact techniques must stay within tolerance; approximate ones report how
 far they move the distribution.
+
+Teacher forcing never samples, so a stack that fills the sampler or loop slot gets tests of
+its own: its sampler's draws against stock's sampler's on the same head outputs (total
+variation), and its loop's tokens against stock's loop over the same parts (same seed).
 """
 
 from __future__ import annotations
@@ -14,8 +18,18 @@ import math
 
 import torch
 
+from orchestrate.api.config import SamplingConfig
 from orchestrate.api.records import FidelityRecord
-from orchestrate.families.rumik.engine import Engine, HeadLogits, stock_engine
+from orchestrate.families.rumik.engine import (
+    SLOTS,
+    Engine,
+    HeadLogits,
+    Loop,
+    Sampler,
+    host_loop,
+    stock_engine,
+    stock_sampler,
+)
 from orchestrate.families.rumik.model import RumikModel
 
 # fp32: max |logit diff| over the std of stock's logits; only summation order differs.
@@ -25,6 +39,28 @@ FP32_TOLERANCE = 1e-3
 # fp32 upcast of the same weights; an exact stack must stay within this factor of stock's
 # own rounding error (its "noise floor").
 NOISE_FACTOR = 2.0
+# Teacher forcing runs the model's step (decoder, projections, attention, head, launch
+# settings), never the sampler or the generation loop; those are covered only where their
+# own tests ran (`judge_slots`), otherwise a stack's exact claim there is the plugin's word,
+# and each record says so (`not_covered`).
+COVERS = tuple(s for s in SLOTS if s not in ("sampler", "loop"))
+# Sampler test: head outputs (teacher-forced steps) it draws on, draws per sampler on each,
+# and the chance that a sampler with exactly stock's distribution still lands over the bound
+# (see tv_bound). 2,000 draws x 4 rows x 2 samplers is ~0.8 s for the tiny model on 2 cores.
+SAMPLER_ROWS = 4
+SAMPLER_DRAWS = 2000
+FALSE_ALARM = 1e-6
+# force_end makes stock's draw certain (end-of-audio): a point mass has null TV exactly 0,
+# so a few draws show a sampler that ignores it.
+FORCED_DRAWS = 16
+
+
+def coverage(engine: Engine, tested: tuple[str, ...] = ()) -> dict[str, object]:
+    """What a comparison of `engine` ran (teacher forcing plus the `tested` slots), and the
+    slots it filled that it did not run."""
+    covers = [*COVERS, *tested]
+    missed = {slot: t for slot, t in engine.filled.items() if slot not in covers}
+    return {"covers": covers, "not_covered": missed}
 
 
 def canonical(engine: Engine, out: HeadLogits) -> torch.Tensor:
@@ -45,14 +81,24 @@ def canonical(engine: Engine, out: HeadLogits) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced(engine: Engine, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), units + 1] canonical logits, step i predicting tokens[i]."""
+def teacher_forced(
+    engine: Engine,
+    prompt_ids: list[int],
+    tokens: list[int],
+    heads: list[HeadLogits] | None = None,
+) -> torch.Tensor:
+    """[len(tokens), units + 1] canonical logits, step i predicting tokens[i]. With `heads`,
+    each step's head output is appended there too (copied: a head may reuse its buffers)."""
     device = engine.model.device
     decoder = engine.new_decoder(len(prompt_ids) + len(tokens) + 1)
     hidden = decoder.prefill(torch.tensor([prompt_ids], device=device))
     rows = []
     for step, tok in enumerate(tokens):
-        rows.append(canonical(engine, engine.head(hidden, step)))
+        out = engine.head(hidden, step)
+        rows.append(canonical(engine, out))
+        if heads is not None:
+            ids = None if out.column_ids is None else out.column_ids.clone()
+            heads.append(dataclasses.replace(out, logits=out.logits.clone(), column_ids=ids))
         if step + 1 < len(tokens):
             hidden = decoder.step(torch.tensor([[tok]], device=device))
     return torch.stack(rows).float()
@@ -120,6 +166,126 @@ def upcast(model: RumikModel) -> RumikModel:
     )
 
 
+def tv_bound(draws: int, support: int, rows: int) -> float:
+    """The total variation that two samples of `draws` tokens each, from one distribution
+    over at most `support` tokens, exceed on any of `rows` rows with probability < FALSE_ALARM.
+
+    Derived from sampling error alone, so no tuning: per token j, E|p^_j - q^_j| <=
+    sqrt(2 p_j (1 - p_j) / n), and by Cauchy-Schwarz the worst case (uniform) gives
+    E[TV] <= sqrt((support - 1) / (2n)). One draw moves TV by at most 1/n, so McDiarmid over
+    the 2n draws gives P(TV >= E[TV] + t) <= exp(-n t^2); a union over the rows sets t.
+    """
+    spread = math.sqrt(max(support - 1, 0) / (2 * draws))
+    return spread + math.sqrt(math.log(rows / FALSE_ALARM) / draws)
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """TV distance between the empirical distributions of two 1-D token-id samples."""
+    ids, inv = torch.unique(torch.cat([a, b]), return_inverse=True)
+    pa = torch.bincount(inv[: len(a)], minlength=len(ids)) / len(a)
+    pb = torch.bincount(inv[len(a) :], minlength=len(ids)) / len(b)
+    return float((pa - pb).abs().sum() / 2)
+
+
+def draw(
+    sampler: Sampler,
+    head: HeadLogits,
+    n: int,
+    seed: int,
+    sampling: SamplingConfig,
+    allow_end: bool,
+    force_end: bool,
+) -> torch.Tensor:
+    """`n` token ids from `sampler` on one head output, its random stream seeded `seed`."""
+    gen = torch.Generator(device=head.logits.device).manual_seed(seed)
+    if reset := getattr(sampler, "reset", None):  # device RNG state, started as loops do
+        reset(seed)
+    ids = [
+        sampler(head, allow_end=allow_end, force_end=force_end, sampling=sampling, generator=gen)
+        for _ in range(n)
+    ]
+    return torch.cat([i.view(1) for i in ids]).cpu()
+
+
+@torch.inference_mode()
+def sampler_check(
+    sampler: Sampler, heads: list[HeadLogits], sampling: SamplingConfig, seed: int
+) -> tuple[float, float]:
+    """(max TV, bound): `sampler` against stock's on a few of the engine's own head outputs
+    (the columns and layout it meets in this stack), end-of-audio masked, allowed, forced."""
+    picks = sorted(
+        {round(i * (len(heads) - 1) / max(SAMPLER_ROWS - 1, 1)) for i in range(SAMPLER_ROWS)}
+    )
+    cases = [(heads[p], i % 2 == 1, False, SAMPLER_DRAWS) for i, p in enumerate(picks)]
+    cases.append((heads[picks[0]], False, True, FORCED_DRAWS))
+    tv = 0.0
+    for head, allow_end, force_end, n in cases:
+        # Other seeds for the two: the bound is for independent samples.
+        ref = draw(stock_sampler, head, n, seed, sampling, allow_end, force_end)
+        got = draw(sampler, head, n, seed + 1, sampling, allow_end, force_end)
+        tv = max(tv, total_variation(ref, got))
+    support = min(sampling.top_k, heads[0].logits.shape[-1])  # stock draws from its top k
+    return tv, tv_bound(SAMPLER_DRAWS, support, len(cases))
+
+
+@torch.inference_mode()
+def loop_check(
+    engine: Engine, prompt_ids: list[int], frames: int, sampling: SamplingConfig, seed: int
+) -> dict[str, object]:
+    """The engine's loop against stock's loop (host_loop) over the same decoder, head and
+    sampler, from one seed: only the loop differs, so an exact loop gives the same tokens."""
+
+    def tokens(loop: Loop) -> list[int]:
+        gen = torch.Generator(device=engine.model.device).manual_seed(seed)
+        return loop(engine, prompt_ids, frames, sampling, gen).tokens
+
+    ref, got = tokens(host_loop), tokens(engine.loop)
+    # slices, so a loop that stops early (or runs on) diverges where the shorter one ends
+    first = next(
+        (i for i in range(max(len(ref), len(got))) if ref[i : i + 1] != got[i : i + 1]), None
+    )
+    if first is None:
+        note = f"{len(ref)} tokens identical to host_loop over this engine's parts, same seed"
+    else:
+        # Identity needs both loops on one random stream; a loop on another stream differs
+        # too, and no distribution test of whole sequences ran, so neither is shown equal.
+        note = (
+            f"differs from host_loop (this engine's parts, same seed) at token {first} of "
+            f"{len(ref)}: the loop changes what is drawn, or draws from a random stream "
+            "host_loop does not share; no distribution test of whole sequences ran"
+        )
+    return {
+        "loop_tokens_identical": first is None,
+        "loop_first_divergence": first,
+        "loop_note": note,
+    }
+
+
+def judge_slots(
+    rec: FidelityRecord,
+    engine: Engine,
+    heads: list[HeadLogits],
+    prompt_ids: list[int],
+    frames: int,
+    sampling: SamplingConfig,
+    seed: int,
+) -> FidelityRecord:
+    """`rec` with the sampler and loop slots measured where a technique fills them: within
+    tolerance only if the sampler draws stock's distribution and the loop emits the
+    reference loop's tokens (a plugin's `exact` there is measured, not taken on its word)."""
+    update: dict[str, object] = {}
+    ok = rec.within_tolerance
+    tested: tuple[str, ...] = ()
+    if "sampler" in engine.filled:
+        tv, bound = sampler_check(engine.sampler, heads, sampling, seed)
+        update |= {"sampler_tv": tv, "sampler_tv_bound": bound, "sampler_draws": SAMPLER_DRAWS}
+        ok, tested = ok and tv <= bound, (*tested, "sampler")
+    if "loop" in engine.filled:
+        update |= loop_check(engine, prompt_ids, frames, sampling, seed)
+        ok, tested = ok and bool(update["loop_tokens_identical"]), (*tested, "loop")
+    return rec.model_copy(update={**update, **coverage(engine, tested), "within_tolerance": ok})
+
+
 @dataclasses.dataclass
 class Reference:
     """Stock's teacher-forced logits on one token sequence, and how any engine is judged
@@ -146,10 +312,20 @@ class Reference:
             floor = compare(fp32, stock, temperature, top_k, torch.float32)
         return cls(prompt_ids, tokens, stock, fp32, floor, temperature, top_k, model.dtype)
 
-    def judge(self, engine: Engine) -> FidelityRecord:
-        other = teacher_forced(engine, self.prompt_ids, self.tokens)
+    def judge(
+        self, engine: Engine, sampling: SamplingConfig | None = None, seed: int = 0
+    ) -> FidelityRecord:
+        """Teacher-forced logits against stock's; with `sampling`, also the sampler and loop
+        slots a technique fills (judge_slots)."""
+        heads: list[HeadLogits] = []  # kept only for a sampler test: full-vocab rows are big
+        keep = heads if sampling is not None and "sampler" in engine.filled else None
+        other = teacher_forced(engine, self.prompt_ids, self.tokens, keep)
         rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
-        if self.fp32 is None or self.floor is None:
+        if self.fp32 is not None and self.floor is not None:
+            vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
+            rec = judge_half(rec, vs32, self.floor)
+        rec = rec.model_copy(update=coverage(engine))
+        if sampling is None:
             return rec
-        vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
-        return judge_half(rec, vs32, self.floor)
+        frames = -(-len(self.tokens) // engine.model.vocab.num_quantizers)  # >= the steps
+        return judge_slots(rec, engine, heads, self.prompt_ids, frames, sampling, seed)

@@ -11,6 +11,10 @@ loop, differenced between two lengths so prefill, the first step and one-off wor
   cuda_graph this is ~1; under graph_loop with a length policy it is the one graph per token.
   Kernels inside a conditional WHILE node (while_graph) are invisible to CUPTI: measured on
   the H200, the count comes back 0, so kernels_per_step is then left out, not reported as 0.
+- `gpu_busy_ms_per_step`: milliseconds per token during which the GPU executed anything
+  (kernels, copies, sets; the union of their intervals, so overlapping kernels under PDL
+  count once). Beside the wall time per token it says how much of a step is host work:
+  for stock, most of it. Left out when the profiler saw no device activity (while_graph).
 
 `graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
 keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
@@ -32,8 +36,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int] | None:
-    """Kernels executed and host launch calls made while `fn` runs; None off CUDA."""
+def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, float] | None:
+    """Kernels executed, host launch calls made and GPU-busy microseconds while `fn` runs;
+    None off CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     from torch.autograd import DeviceType
@@ -44,13 +49,26 @@ def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int
         fn()
         torch.cuda.synchronize(device)
     kernels = launches = 0
+    busy: list[tuple[float, float]] = []
     for ev in prof.events():
         if ev.device_type == DeviceType.CUDA:
+            busy.append((ev.time_range.start, ev.time_range.end))
             if not ev.name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
                 kernels += 1
         elif any(m in ev.name for m in _HOST_LAUNCH_MARKERS):
             launches += 1
-    return {"kernels": kernels, "launches": launches}
+    return {"kernels": kernels, "launches": launches, "busy_us": union_us(busy)}
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals: time the device was busy."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def per_step(
@@ -77,6 +95,9 @@ def per_step(
     kernels = c2["kernels"] - c1["kernels"]
     if kernels > 0:  # CUPTI does not see kernels run inside conditional graph nodes
         out["kernels_per_step"] = kernels / steps  # (while_graph): no count beats a 0
+    busy_us = c2["busy_us"] - c1["busy_us"]
+    if busy_us > 0:
+        out["gpu_busy_ms_per_step"] = busy_us / steps / 1000
     return out
 
 

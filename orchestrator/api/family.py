@@ -73,11 +73,27 @@ class Family(abc.ABC):
     def declares(cls, slot: str) -> bool:
         return any(fnmatch.fnmatchcase(slot, pattern) for pattern in cls.slots)
 
+    def random_weights(self, spec: ModelSpec) -> bool:
+        """Whether `spec` builds random weights (ModelSpec: no `weights`), so quality scores of
+        its audio mean nothing; a family whose models always carry trained weights says no."""
+        return spec.weights is None
+
     def slot_occupants(self, engine: Any) -> dict[str, Any]:
         """What fills each declared slot of `engine` (for `orchestrate explain`): by default
         the engine attribute of the slot's name; families whose slots live elsewhere
         override this."""
         return {s: getattr(engine, s) for s in self.slots if hasattr(engine, s)}
+
+    def slot_profile(
+        self, engine: Any, text: str, seed: int, workload: Workload
+    ) -> dict[str, float]:
+        """Milliseconds per step each slot's part spends itself (its calls minus the slots
+        it calls), over one short synthesis of `text`; the engine is left exactly as it
+        was. The worker calls it after the timed rounds (JobSpec.profile_slots), stores
+        `slot_ms.<slot>`, and the `profile` proposer targets the costliest slot.
+        {} (this default) means "not profiled", never "free". See orchestrate.api.slot_clock.
+        """
+        return {}
 
     @abc.abstractmethod
     def build_model(self, spec: ModelSpec) -> Any:

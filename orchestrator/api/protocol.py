@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from orchestrate.api.config import CONFIG_DIR, ConfigError, Strict, load_model
 
@@ -161,6 +168,9 @@ class SpeedRule(_Frozen):
         return self
 
 
+AA_CV_DEFAULT = 0.15
+
+
 class NoiseRule(_Frozen):
     """How `orchestrate noise` turns repeated stock measurements into gates.
 
@@ -168,6 +178,9 @@ class NoiseRule(_Frozen):
     (the spread of a difference between two runs), the largest difference seen between two
     repeats, and the metric's floor (so a deterministic metric with zero spread still gets
     a stated, non-zero tolerance instead of an impossible one).
+
+    No gates at all when the machine is too noisy: if the speed metric over every A/A
+    measurement has sd/mean above `max_aa_cv`, `noise` writes no protocol.
     """
 
     k: float = Field(2.0, gt=0)
@@ -184,6 +197,22 @@ class NoiseRule(_Frozen):
             "clipped_fraction": 0.001,
         }
     )
+    max_aa_cv: float = Field(
+        AA_CV_DEFAULT,
+        gt=0,
+        description="Largest A/A timing spread (sd/mean of the speed metric over the stack and "
+        "its A/A copy, every repeat) `orchestrate noise` accepts; above it the machine is too "
+        "noisy to set gates and no protocol version is written.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _hash_stable(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # max_aa_cv came after protocols were recorded: left out of the dump at its default,
+        # every protocol hashed before it existed keeps its hash (runs, recorded versions).
+        data = handler(self)
+        if self.max_aa_cv == AA_CV_DEFAULT:
+            data.pop("max_aa_cv", None)
+        return data
 
 
 class Provenance(_Frozen):
@@ -214,11 +243,25 @@ class Protocol(Strict):
     provenance: Provenance | None = None
 
 
-def load_protocol(name_or_path: str = "protocol") -> Protocol:
+def protocol_path(name_or_path: str = "protocol") -> Path:
+    """The file a `--protocol` value names: an existing path, else configs/NAME.yaml."""
     path = Path(name_or_path)
-    if not path.exists():
-        path = CONFIG_DIR / f"{name_or_path}.yaml"
-    return load_model(Protocol, path)
+    if path.is_file():
+        return path
+    named = CONFIG_DIR / f"{name_or_path}.yaml"
+    if named.is_file():
+        return named
+    raise ConfigError(f"no protocol {name_or_path!r}: no such file, nor {named}")
+
+
+def load_protocol(name_or_path: str = "protocol") -> Protocol:
+    return load_model(Protocol, protocol_path(name_or_path))
+
+
+def version_path(protocol: Protocol, beside: Path) -> Path:
+    """Where a new version goes by default: protocols/NAME-vN.yaml in the folder of the file
+    it derives from (configs/protocols/ for configs/protocol.yaml), never over that file."""
+    return beside.parent / "protocols" / f"{protocol.name}-v{protocol.version}.yaml"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -263,11 +306,20 @@ def require_same(hashes: dict[str, str]) -> str:
     return distinct[0]
 
 
-def bumped(protocol: Protocol, noise_runs: list[str] | None = None, **changes: Any) -> Protocol:
-    """The next version of `protocol` with `changes`, recording its parent."""
+def bumped(
+    protocol: Protocol,
+    noise_runs: list[str] | None = None,
+    version: int | None = None,
+    **changes: Any,
+) -> Protocol:
+    """The next version of `protocol` with `changes`, recording its parent. `version` skips
+    numbers already taken (a second `noise` from the same parent); it must be newer."""
+    version = protocol.version + 1 if version is None else version
+    if version <= protocol.version:
+        raise ProtocolError(f"a new version must be > {protocol.version}, got {version}")
     data = protocol.model_dump(mode="json")
     data.update(changes)
-    data["version"] = protocol.version + 1
+    data["version"] = version
     data["provenance"] = Provenance(
         parent_hash=protocol.content_hash(),
         parent_version=protocol.version,
@@ -305,6 +357,7 @@ def write(protocol: Protocol, path: Path) -> None:
     # None fields are left out for readability; they load back as the same defaults, so the
     # content hash (of the loaded model, not of the text) is unchanged.
     data = protocol.model_dump(mode="json", exclude_none=True)
+    data["noise"]["max_aa_cv"] = protocol.noise.max_aa_cv  # shown even at its default
     body = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".partial")

@@ -97,6 +97,15 @@ class JobSpec(Record):
         default_factory=dict,
         description="stack -> utterances that run measured (marked resumed); not re-timed.",
     )
+    # A holdout job (the gate's) carries placeholders, never holdout texts: the worker and
+    # the scorers read them from this file, hash-checked (orchestrate.api.sealed.resolve).
+    sealed_file: str | None = Field(
+        None, description="Sealed holdout file (relative to the checkout, or absolute)."
+    )
+    # Not part of the identity: measured after the timed rounds, it never moves a headline.
+    profile_slots: bool = Field(
+        False, description="Also time each stack's slots (metrics slot_ms.<slot>, ms per step)."
+    )
 
     @property
     def baseline(self) -> StackSpec:
@@ -125,7 +134,15 @@ class EnvironmentInfo(Record):
     copy_gb_s: float | None = Field(
         None, description="Measured copy bandwidth (bytes read + written): the floor's ceiling."
     )
-    cpu_count: int
+    cpu_count: int = Field(description="Logical cores (os.cpu_count).")
+    # The host CPU drives the token loop's launches and syncs, so a stock figure names it.
+    cpu_model: str | None = Field(None, description="Host CPU model (/proc/cpuinfo, lscpu).")
+    cpu_max_mhz: float | None = Field(
+        None, description="Host CPU max clock, MHz (a VM: the clock /proc/cpuinfo reports)."
+    )
+    cpu_single_thread_ms: float | None = Field(
+        None, description="A fixed pure-Python loop, median ms: this host's single-thread speed."
+    )
     git_sha: str | None = None
     git_dirty: bool | None = None
     model_config_hash: str
@@ -192,6 +209,53 @@ class FidelityRecord(Record):
     support_top1: float | None = Field(
         None, description="Top-1 agreement with stock's argmax over the stack's columns."
     )
+    covers: list[str] | None = Field(
+        None, description="Engine slots this comparison ran (None: not said, older records)."
+    )
+    not_covered: dict[str, str] = Field(
+        default_factory=dict,
+        description="slot -> technique the stack put in a slot this comparison never ran: "
+        "its exactness there is the plugin's word, not measured.",
+    )
+    sampler_tv: float | None = Field(
+        None,
+        description="Sampler slot, when a technique fills it: the largest total-variation "
+        "distance, over a few fixed head outputs, between the stack's sampler's draws and "
+        "stock's sampler's draws on the same logits (None: not measured).",
+    )
+    sampler_tv_bound: float | None = Field(
+        None,
+        description="The TV two samplers with one distribution exceed by chance with "
+        "probability < 1e-6 at these draws; above it the sampler is not within tolerance.",
+    )
+    sampler_draws: int | None = Field(
+        None, description="Draws per sampler per head output behind sampler_tv."
+    )
+    loop_tokens_identical: bool | None = Field(
+        None,
+        description="Loop slot, when a technique fills it: the stack's loop gave the same "
+        "tokens as stock's loop over the stack's own parts, from the same seed (None: not "
+        "measured).",
+    )
+    loop_first_divergence: int | None = Field(
+        None, description="The first token index where the two loops differ; None if none."
+    )
+    loop_note: str | None = Field(
+        None, description="What the loop comparison ran, and what a difference can mean."
+    )
+
+
+class IdenticalAudio(Record):
+    """Two utterances of one stack, from different inputs (prompt text or seed), whose
+    waveforms are the same: the audio does not depend on its input."""
+
+    a: str = Field(description="prompt/seed of the first utterance")
+    b: str
+    round_a: int
+    round_b: int
+    differs_in: Literal["prompt", "seed", "prompt and seed"]
+    max_abs_diff: float = Field(description="After cutting both to the shorter length.")
+    correlation: float | None = Field(None, description="None when either is constant.")
 
 
 class StackResult(Record):
@@ -208,6 +272,15 @@ class StackResult(Record):
     peak_memory_bytes: int | None = None
     utterances: list[UtteranceRecord] = Field(default_factory=list)
     fidelity: FidelityRecord | None = None
+    fidelity_error: str | None = Field(
+        None, description="Why this stack has no fidelity record (its own failure)."
+    )
+    invalid: str | None = Field(
+        None, description="Why its timings cannot be real (faster than its floor); never accepted."
+    )
+    audio_independent_of_input: IdenticalAudio | None = Field(
+        None, description="Two of its utterances from different inputs with the same audio."
+    )
     metrics: dict[str, float] = Field(default_factory=dict)
 
 

@@ -178,8 +178,8 @@ def build_stack(
             params = cls.Params.model_validate(ref.params)
         except ValidationError as exc:
             raise StackError(f"technique {ref.name!r}: bad params: {_explain(exc)}") from exc
-        for other in cls.conflicts:
-            if other in seen:
+        for other in seen:  # declared on either side: graph_loop names cuda_graph only
+            if other in cls.conflicts or ref.name in get(other).conflicts:
                 raise StackError(f"technique {ref.name!r} conflicts with {other!r}")
         for slot in cls.slots:
             if slot in claimed:

@@ -21,9 +21,19 @@ from orchestrate.api.config import (
     load_workload,
     stack_path,
 )
-from orchestrate.api.protocol import Protocol, load_protocol
+from orchestrate.api.protocol import Protocol, ProtocolError, load_protocol
 from orchestrate.api.registry import StackError, get_family
-from orchestrate.cli.common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
+from orchestrate.cli.common import (
+    DbOpt,
+    JsonOpt,
+    ProtocolOpt,
+    console,
+    err,
+    fail,
+    open_store,
+    print_json,
+    warn,
+)
 
 SCHEMAS: dict[str, type[BaseModel]] = {
     "model": ModelSpec,
@@ -72,6 +82,7 @@ def run(
     fidelity_steps: Annotated[
         int, typer.Option(help="Teacher-forced steps compared against stock (0: off).")
     ] = 32,
+    protocol: ProtocolOpt = "protocol",
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
     runs_dir: Annotated[
         Path | None,
@@ -93,7 +104,9 @@ def run(
     """Measure stacks against a baseline, interleaved, in one worker; store and report."""
     from pydantic import ValidationError
 
+    from orchestrate.api.sealed import HoldoutLeak
     from orchestrate.reports.tables import error_line
+    from orchestrate.research.holdout import audit_refusal
     from orchestrate.running.plan import plan_job, prefix_stack
     from orchestrate.running.runner import Interrupted, execute
 
@@ -123,16 +136,23 @@ def run(
             spec,
             load_workload(workload),
             stacks,
-            load_protocol(),
+            load_protocol(protocol),
             runs_dir,
             strict=strict,
             fidelity_steps=fidelity_steps,
         )
+    except HoldoutLeak as exc:  # a holdout text in the workload: refused, and audited
+        audit_refusal(open_store(db), exc, "orchestrate run")
+        fail(str(exc))
     except ValidationError as exc:  # a ValueError too: never show pydantic's text and URLs
         fail(explain(exc))
     except (ConfigError, StackError, ValueError) as exc:
         fail(str(exc))
     store = open_store(db)
+    try:  # as the gate does: a protocol edited in place under a recorded version is refused
+        store.register_protocol(job.protocol)
+    except ProtocolError as exc:
+        fail(str(exc))
     try:
         with _progress(quiet=as_json) as on_event:
             outcome = execute(job, store, runs_dir, track=mlflow, force=force, on_event=on_event)
@@ -175,6 +195,7 @@ def _strict_exactness(run_row: dict[str, Any]) -> None:
 _JOB_OPTIONS = {
     "stack": None, "baseline": None, "model": "tiny", "workload": None, "device": None,
     "dtype": None, "strict": False, "prefixes": False, "force": False, "fidelity_steps": 32,
+    "protocol": "protocol",
 }  # fmt: skip
 
 
@@ -391,9 +412,11 @@ def _show(run_row: dict[str, Any]) -> None:
 
     from orchestrate.reports.tables import (
         annotate,
+        environment_line,
         error_line,
         fidelity_scope,
         skipped_lines,
+        slot_checks_line,
         stack_table,
     )
 
@@ -416,9 +439,15 @@ def _show(run_row: dict[str, Any]) -> None:
         console.print(escape(line), highlight=False, soft_wrap=True)
     for reason in run_row["noisy"]:  # why the speedups above are not to be trusted
         console.print(f"[yellow]noisy: {escape(reason)}[/yellow]", soft_wrap=True)
+    for s in run_row["stacks"]:  # invalid timings, input-blind audio, fidelity it lacks
+        for line in s["warnings"]:
+            console.print(f"[yellow]{escape(line)}[/yellow]", soft_wrap=True)
+    env_line = escape(environment_line(run_row.get("environment")))
+    console.print(f"[dim]{env_line}[/dim]", soft_wrap=True)
     fidelities = [s for s in run_row["stacks"] if s.get("fidelity")]
     if fidelities:
-        console.print(f"[dim]{escape(fidelity_scope(run_row.get('family')))}[/dim]")
+        scope = escape(fidelity_scope(run_row.get("family")))
+        console.print(f"[dim]{scope}[/dim]", soft_wrap=True)
     for s in run_row["stacks"]:
         if s.get("error"):
             console.print(f"[red]{escape(s['name'])}: {escape(s['error'])}[/red]")
@@ -442,6 +471,8 @@ def _show(run_row: dict[str, Any]) -> None:
                     else ""
                 )
             )
+            if slots := slot_checks_line(s["name"], fid):
+                console.print(escape(slots), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -451,10 +482,15 @@ def diff(
     threshold: Annotated[
         float, typer.Option(help="Relative change below which a number counts as equal.")
     ] = 0.02,
+    allow_protocol_mismatch: Annotated[
+        bool,
+        typer.Option(help="Diff runs measured under different protocols anyway, marked as such."),
+    ] = False,
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Only what differs between two runs: settings, environment, stacks and metrics."""
+    """Only what differs between two runs: settings, environment, stacks and metrics.
+    Runs measured under different protocols are refused (exit 2) unless allowed."""
     from orchestrate.reports.run_diff import diff_runs
     from orchestrate.reports.tables import run_diff_tables
 
@@ -464,12 +500,19 @@ def diff(
         store = open_store(db)
         result = diff_runs(
             store.get_run(run_a, utterances=False), store.get_run(run_b, utterances=False),
-            threshold,
+            threshold, allow_protocol_mismatch,
         )  # fmt: skip
-    except (KeyError, LookupError, ValueError) as exc:
+    except (KeyError, LookupError, ValueError) as exc:  # ProtocolError is a ValueError
         fail(str(exc))
+    if result.protocol_mismatch:  # allowed, never quiet: on stderr, and first on stdout
+        warn(f"PROTOCOL MISMATCH: {result.protocol_mismatch}")
     if as_json:
         return print_json(result.to_json())
+    if result.protocol_mismatch:
+        console.print(
+            "[bold red]PROTOCOL MISMATCH[/bold red]: measured under different protocols; "
+            "the numbers below do not compare"
+        )
     for table in run_diff_tables(result):
         console.print(table)
 
@@ -485,11 +528,14 @@ def schema(
     print_json({n: SCHEMAS[n].model_json_schema() for n in names})
 
 
+from orchestrate.cli import explore as explore_cli  # noqa: E402
 from orchestrate.cli import faults as faults_cli  # noqa: E402
 from orchestrate.cli import plugins as plugins_cli  # noqa: E402
 from orchestrate.cli import protocol as protocol_cli  # noqa: E402
+from orchestrate.cli import report as report_cli  # noqa: E402
 
 plugins_cli.register(app)
 protocol_cli.register(app)
+explore_cli.register(app)
+report_cli.register(app)
 faults_cli.register(app)  # last: it wraps every command registered before it
-

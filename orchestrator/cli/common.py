@@ -15,6 +15,14 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+# Resolved by orchestrate.api.protocol.protocol_path (one resolver for every command).
+ProtocolOpt = Annotated[
+    str,
+    typer.Option(
+        "--protocol",
+        help="Protocol name (configs/NAME.yaml) or YAML path (default: configs/protocol.yaml).",
+    ),
+]
 DbOpt = Annotated[
     str | None,
     typer.Option(

@@ -140,8 +140,10 @@ def explain(
     stack: Annotated[str, typer.Argument(help="Stack name (experiments/) or YAML path.")],
     model: Annotated[
         str | None,
-        typer.Option(help="Model preset or weights folder (default: the family's first preset "
-                     "that runs on this machine's default device)."),
+        typer.Option(
+            help="Model preset or weights folder (default: the family's first preset "
+            "that runs on this machine's default device)."
+        ),
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     as_json: JsonOpt = False,

@@ -21,7 +21,6 @@ from rich.table import Table
 
 from orchestrate.api import protocol as proto
 from orchestrate.api.config import (
-    CONFIG_DIR,
     REPO_ROOT,
     ConfigError,
     load_model_spec,
@@ -30,17 +29,27 @@ from orchestrate.api.config import (
 )
 from orchestrate.api.protocol import load_protocol
 from orchestrate.api.registry import StackError, get_family
-from orchestrate.cli.common import DbOpt, JsonOpt, console, err, fail, open_store, print_json
+from orchestrate.api.sealed import HoldoutLeak
+from orchestrate.cli.common import (
+    DbOpt,
+    JsonOpt,
+    ProtocolOpt,
+    console,
+    err,
+    fail,
+    open_store,
+    print_json,
+)
 from orchestrate.research import gate as gate_pipeline
+from orchestrate.research.holdout import audit_refusal
 from orchestrate.running.metrics import AGGREGATE, AGGREGATE_LABEL, EXACT_CELL, headline_label
 
 # `orchestrate gate` exits 0 on accept and EXIT_RETAIN on retain (2: bad input or storage,
 # 1: scoring failed, 130: interrupted); README "Exit codes".
 EXIT_RETAIN = 3
+# `orchestrate noise` exits EXIT_TOO_NOISY when the A/A spread exceeds noise.max_aa_cv.
+EXIT_TOO_NOISY = 4
 
-ProtocolOpt = Annotated[
-    str, typer.Option("--protocol", help="Protocol name (configs/) or YAML path.")
-]
 ModelOpt = Annotated[
     str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
 ]
@@ -52,11 +61,6 @@ RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are
 # Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
 # `reports` package for every later command run from there (editable installs).
 REPORTS_DIR = REPO_ROOT / "reports"
-
-
-def _protocol_file(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    return path if path.exists() else CONFIG_DIR / f"{name_or_path}.yaml"
 
 
 def _events(quiet: bool) -> Any:
@@ -73,8 +77,9 @@ def _events(quiet: bool) -> Any:
 def noise(
     stack: Annotated[
         str | None,
-        typer.Option("--stack", "-s", help="Stack measured against itself (default: the "
-                     "family's baseline)."),
+        typer.Option(
+            "--stack", "-s", help="Stack measured against itself (default: the family's baseline)."
+        ),
     ] = None,
     repeats: Annotated[int, typer.Option(help="A/A jobs (>= 2), seeds shifted per repeat.")] = 3,
     model: ModelOpt = "tiny",
@@ -82,7 +87,10 @@ def noise(
     protocol: ProtocolOpt = "protocol",
     out: Annotated[
         Path | None,
-        typer.Option(help="Where the new protocol version goes (default: over --protocol)."),
+        typer.Option(
+            help="Where the new protocol version goes (default: protocols/NAME-vN.yaml beside "
+            "the --protocol file; never over it unless named here)."
+        ),
     ] = None,
     mlflow: Annotated[bool, typer.Option(help="Log the A/A runs to MLflow too.")] = True,
     runs_dir: RunsDirOpt = Path("runs"),
@@ -103,7 +111,10 @@ def noise(
         fail(str(exc))
     store = open_store(db)
     try:
-        store.register_protocol(current)
+        store.register_protocol(current)  # edited in place under a recorded version: exit 2
+    except proto.ProtocolError as exc:
+        fail(str(exc))
+    try:
         analysis = noise_mod.measure(
             store,
             stack=base,
@@ -115,12 +126,26 @@ def noise(
             track=mlflow,
             on_event=_events(as_json),
         )
-        new = noise_mod.propose(current, analysis)
-        target = out or _protocol_file(protocol)
-        proto.write(new, target)
-        store.register_protocol(new)
     except (noise_mod.NoiseError, proto.ProtocolError, StackError, ScoringError) as exc:
         fail(str(exc), 1)
+    try:
+        new = noise_mod.propose(current, analysis, store.next_protocol_version(current))
+    except noise_mod.TooNoisy as exc:  # nothing written; the numbers still shown
+        if as_json:
+            print_json({"runs": analysis.runs, "analysis": analysis.to_dict(), "protocol": None,
+                        "refused": str(exc)})  # fmt: skip
+        else:
+            _noise_table(analysis, repeats, current.noise.max_aa_cv)
+        fail(str(exc), EXIT_TOO_NOISY)
+    # A new version gets its own file (configs/protocols/NAME-vN.yaml beside
+    # configs/protocol.yaml): the tracked default is replaced only when --out names it.
+    target = out or proto.version_path(new, proto.protocol_path(protocol))
+    try:
+        proto.write(new, target)
+        store.register_protocol(new)
+    except proto.ProtocolError as exc:
+        fail(str(exc), 1)
+    use = f"--protocol {_shown(target)}"
     summary = {
         "runs": analysis.runs,
         "analysis": analysis.to_dict(),
@@ -129,12 +154,36 @@ def noise(
             "version": new.version,
             "hash": new.content_hash(),
             "parent": current.content_hash(),
+            "use": use,
         },
         "gates": [g.model_dump() for g in new.quality.gates],
         "min_speedup": new.speed.min_speedup,
+        "min_speedup_derivation": analysis.min_speedup_derivation,
+        "aa_cv": analysis.aa_cv,
+        "max_aa_cv": current.noise.max_aa_cv,
     }
     if as_json:
         return print_json(summary)
+    _noise_table(analysis, repeats, current.noise.max_aa_cv)
+    console.print(
+        f"wrote protocol {new.name} v{new.version} ({new.content_hash()}, parent "
+        f"v{current.version}) to {_shown(target)}: min speedup {new.speed.min_speedup}, gates: "
+        + "; ".join(g.describe() for g in new.quality.gates)
+    )
+    console.print(f"use it with {use} (gate, run, score, frontier, figures)")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working folder when under it (what a user would type)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _noise_table(analysis: Any, repeats: int, max_cv: float) -> None:
+    """The spread of every metric, the A/A timing spread judged against max_aa_cv, and how
+    min_speedup was derived, with the measured numbers."""
     table = Table(title=f"noise: {analysis.stack} vs {analysis.stack}.aa, {repeats} repeats")
     for col in ("metric", "per repeat", "sd", "max Δ", "tolerance", "rule"):
         table.add_column(col)
@@ -147,16 +196,23 @@ def noise(
             "" if sp.tolerance is None else f"{sp.tolerance:.4g}",
             sp.rule,
         )
+    t = analysis.aa_timing
+    if t is not None:
+        table.add_row(
+            t.metric, ", ".join(f"{v:.4g}" for v in t.values), f"{t.sd:.3g}",
+            f"{t.max_pair_delta:.3g}", "", f"sd/mean {analysis.aa_cv:.1%} (max_aa_cv {max_cv:.1%})",
+        )  # fmt: skip
+    bounds = [term["bound"] for term in analysis.min_speedup_terms]
+    table.add_row(
+        "min_speedup", ", ".join("-" if b is None else f"{b:.4g}" for b in bounds), "", "",
+        f"{analysis.min_speedup:g}", "max(1, max over repeats of max(CI high, 1/CI low))",
+    )  # fmt: skip
     console.print(table)
     for c in analysis.aa:
         console.print(f"A/A speed: {c.reason()}")
+    console.print(analysis.min_speedup_derivation)
     for note in analysis.notes:
         console.print(f"[yellow]{note}[/yellow]")
-    console.print(
-        f"wrote protocol {new.name} v{new.version} ({new.content_hash()}) to {target}: "
-        f"min speedup {new.speed.min_speedup}, gates: "
-        + "; ".join(g.describe() for g in new.quality.gates)
-    )
 
 
 # -------------------------------------------------------------------------------- score
@@ -294,6 +350,9 @@ def gate(
             holdout_file=holdout,
             on_event=_events(as_json),
         )
+    except HoldoutLeak as exc:  # a holdout text in the dev workload: refused, and audited
+        audit_refusal(store, exc, "orchestrate gate")
+        fail(str(exc))
     except (proto.ProtocolError, HoldoutError, StackError) as exc:
         fail(str(exc))
     except ScoringError as exc:  # a scorer of the protocol cannot load here
@@ -318,26 +377,39 @@ def _gate_summary(report: dict[str, Any], v: dict[str, Any], confidence: float) 
         f"{report['against']} on {report['workload']} ({report['hardware']}), "
         f"protocol {report['protocol']}"
     )
-    if report.get("headline"):  # the stored number: what show, frontier and ledger print
-        h = report["headline"]
-        console.print(
-            f"  {headline_label(confidence)} vs stock (remeasure): {headline_cell(h)}"
-            + (f"; {AGGREGATE_LABEL} {h[AGGREGATE]:.2f}x" if AGGREGATE in h else "")
-        )
+    # Stored numbers, labelled by the run they come from: the decision's own (a champion's
+    # is its holdout's: what ledger, frontier and MLflow carry), then the remeasure's.
+    rec, h = report.get("record") or {}, report.get("headline") or {}
+    decided, label = rec.get("headline") or {}, headline_label(confidence)
+    if decided:
+        role = "the champion's headline" if v.get("verdict") == "accept" else "decided on"
+        console.print(f"  {label} vs stock, {decided['label']} ({role}): {headline_cell(decided)}")
+    agg = f"{AGGREGATE_LABEL} {h[AGGREGATE]:.2f}x" if AGGREGATE in h else ""
+    if h and decided.get("label") != "remeasure paired":
+        cells = "; ".join(filter(None, [headline_cell(h), agg]))
+        console.print(f"  {label} vs stock, remeasure paired: {cells}")
+    elif agg:
+        console.print(f"  remeasure {agg}")
     for reason in v.get("reasons", []):
         console.print(f"  - {reason}")
     if "vs_stock" in report:
         console.print(f"  vs stock: {report['vs_stock']}")
-    rec = report.get("record") or {}
+    for flag in v.get("overridden", []):
+        console.print(f"  [yellow]overridden[/yellow]: {flag}")
     if rec.get("mlflow_model"):
         console.print(f"  champion: {rec['mlflow_model']}")
+    if rec.get("mlflow_warning"):
+        err.print(f"[yellow]warning: {rec['mlflow_warning']}; the decision is recorded[/yellow]")
 
 
 # ------------------------------------------------------------------------------ reports
 
 
 def ledger(
-    cause: Annotated[str | None, typer.Option(help="Only this cause (slower, gate, ...).")] = None,
+    cause: Annotated[
+        str | None,
+        typer.Option(help="Only this cause (slower, below the noise bar, gate, oom, killed, ...)."),
+    ] = None,
     stack: Annotated[str | None, typer.Option(help="Only this stack.")] = None,
     limit: int = 1000,
     out: Annotated[Path, typer.Option(help="Markdown ledger (always the full ledger).")] = (
@@ -370,10 +442,13 @@ def ledger(
             r["detail"][:100],
         )
     console.print(table)
-    for c in ledger_mod.champion_rows(store):  # the stored headline of each accept
+    for c in ledger_mod.champion_rows(store):  # each accept's holdout paired headline
+        notes = [f"overridden: {o}" for o in c["overridden"]]
+        if c["quality"] != "judged":
+            notes.append(f"quality {c['quality']}")
         console.print(
             f"champion {c['stack_name']} ({c['workload_name']}, {c['hardware']}): "
-            f"{headline_label()} vs stock {c['headline']}"
+            f"{headline_label()} vs stock {c['headline']}" + "".join(f"; {n}" for n in notes)
         )
 
 
@@ -388,8 +463,10 @@ def frontier(
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Cumulative best unflagged speedup over experiments, and the speed-quality Pareto set."""
+    """Best gated speedup (holdout paired) over experiments, dev-only stacks apart, and the
+    speed-quality Pareto set."""
     from orchestrate.reports.frontier import collect
+    from orchestrate.research.decide import NOT_MEANINGFUL
 
     try:
         current = load_protocol(protocol)
@@ -400,41 +477,61 @@ def frontier(
         fail(str(exc))
     if as_json:
         return print_json(data.to_dict())
-    from orchestrate.reports.tables import headline_cell
-
     table = Table(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
     headers = ("#", "phase", "stack", headline_label(current.speed.confidence), AGGREGATE_LABEL)
-    for col in (*headers, "exact", "status", "why"):
+    for col in (*headers, "exact", "gate", "status", "why"):
         table.add_column(col)
-    steps = {s["index"] for s in data.frontier}
+    steps = {s["index"]: " ◀ frontier" for s in data.frontier}
+    steps |= {s["index"]: " ◀ dev only" for s in data.dev_only}
     for p in data.points:
-        mark = " ◀ frontier" if p.index in steps else ""
-        stored = {"speedup_paired": p.speedup}  # the run's stored headline, as show prints it
-        if p.ci_low is not None and p.ci_high is not None:
-            stored |= {"speedup_paired_lo": p.ci_low, "speedup_paired_hi": p.ci_high}
         table.add_row(
             str(p.index),
             p.phase,
             p.stack,
-            headline_cell(stored) + mark,
+            _step_cell(p.speedup, p.ci_low, p.ci_high) + steps.get(p.index, ""),
             "-" if p.rtf_ratio is None else f"{p.rtf_ratio:.2f}x",
             EXACT_CELL[p.exactness],
+            p.gate,
             p.status + (" · noisy" if p.noisy else ""),
             "; ".join(p.reasons)[:90],
         )
     console.print(table)
+    # The best is what the gate accepted, at its holdout paired estimate; what was never
+    # gated is shown apart, labelled, and is not a result until it is.
     best = data.frontier[-1] if data.frontier else None
-    console.print(
-        f"best unflagged: {best['speedup']:.3f}x paired ({best['stack']})"
-        if best
-        else "no unflagged point beats stock yet"
-    )
-    console.print(
-        f"Pareto set (speedup vs Δ{data.pareto_metric}): "
-        + ", ".join(f"{c['stack']} {c['speedup']:.2f}x Δ{c['delta']:+.3g}" for c in data.pareto)
-    )
+    if best:
+        over = "".join(f"; overridden: {o}" for o in best["overridden"])
+        console.print(
+            f"best gated: {_step_cell(best['speedup'], best['ci_low'], best['ci_high'])} "
+            f"{best['label']} ({best['stack']}){over}"
+        )
+    else:
+        console.print("no gated stack beats stock yet")
+    if data.dev_only:
+        dev = data.dev_only[-1]
+        console.print(
+            f"{dev['label']}: best {_step_cell(dev['speedup'], dev['ci_low'], dev['ci_high'])} "
+            f"paired ({dev['stack']})"
+        )
+    if data.points and all(p.quality == NOT_MEANINGFUL for p in data.points):
+        console.print(f"Pareto set: none, quality {NOT_MEANINGFUL}")
+    else:
+        console.print(
+            f"Pareto set (speedup vs Δ{data.pareto_metric}): "
+            + ", ".join(f"{c['stack']} {c['speedup']:.2f}x Δ{c['delta']:+.3g}" for c in data.pareto)
+        )
     if data.excluded:
         console.print(f"[dim]not shown: {data.excluded}[/dim]")
+
+
+def _step_cell(speedup: float, lo: float | None, hi: float | None) -> str:
+    """A stored headline as show prints it (reports.tables.headline_cell)."""
+    from orchestrate.reports.tables import headline_cell
+
+    stored = {"speedup_paired": speedup}
+    if lo is not None and hi is not None:
+        stored |= {"speedup_paired_lo": lo, "speedup_paired_hi": hi}
+    return headline_cell(stored)
 
 
 def figures(

@@ -114,7 +114,8 @@ def run_gate(
         "hardware": hardware,
         "speedup": speedup,
     }
-    early = decide.judge(by[candidate.name], checks, noisy=noisy)
+    rw = report["random_weights"] = decide.random_weights(model)  # quality not judged
+    early = decide.judge(by[candidate.name], checks, noisy=noisy, random_weights=rw)
     if early.verdict == "retain":  # broken, noisy or not faster: the holdout stays sealed
         evidence = {
             "remeasure_run": first.run_id,
@@ -126,8 +127,9 @@ def run_gate(
         )
         report["verdict"] = early.to_dict()
         return report
+    sealed_file = holdout_file or holdout.holdout_path(dev.name)
     with holdout.unseal("gate") as key:
-        held, held_hash = holdout.load_holdout(dev, key, holdout_file)
+        held, held_hash = holdout.load_holdout(dev, key, sealed_file)
         opened = holdout.open_audit(
             store, key, dev.name, held_hash, candidate, protocol.content_hash()
         )
@@ -136,7 +138,8 @@ def run_gate(
         try:
             on_event({"event": "status", "message": "holdout gate (sealed prompts)"})
             second = execute(
-                plan_job(model, held, stacks, protocol, runs_dir),
+                # placeholders for texts: the worker reads them from the sealed file
+                plan_job(model, held, stacks, protocol, runs_dir, sealed_file=sealed_file),
                 store,
                 runs_dir,
                 track=track,
@@ -178,6 +181,7 @@ def run_gate(
                 opened.flags,
                 allow_flagged=allow_reuse,
                 noisy=[f"holdout {n}" for n in report["holdout_noisy"]],
+                random_weights=rw,
             )
             stack_runs = {s["name"]: s["mlflow_run_id"] for s in store.get_run(run_id)["stacks"]}
             evidence = {

@@ -11,6 +11,11 @@ How the seal works:
 - Every opening writes a holdout_audit row (stack, spec hash, lineage, time), closed later
   with the verdict. A stack whose spec, name or technique lineage already saw this holdout
   is flagged: re-tuning after seeing holdout results is how a holdout gets overfit.
+- The workload `load_holdout` hands the gate carries placeholders, not texts: the texts are
+  written nowhere but the sealed file (job.json, result.json, the database and MLflow keep
+  ids and hashes); the worker and the scorers read them back (orchestrate.api.sealed).
+- Any other plan holding a holdout text or a near copy of one is refused by `plan_job`
+  (HoldoutLeak); `audit_refusal` records the refusal in holdout_audit.
 
 None of this stops a determined person from reading a YAML file; it stops accidents, and it
 makes every sanctioned look at the holdout visible in the database.
@@ -26,17 +31,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from orchestrate.api.config import CONFIG_DIR, ConfigError, Prompt, StackSpec, Workload
-from orchestrate.api.protocol import phase_workload
+from orchestrate.api import sealed as sealing
+from orchestrate.api.config import ConfigError, Prompt, StackSpec, Workload
+from orchestrate.api.protocol import phase_workload, split_phase
 from orchestrate.api.records import utcnow
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
 
-HOLDOUT_DIR = CONFIG_DIR / "holdout"
+HOLDOUT_DIR = sealing.HOLDOUT_DIR
 # (module, function) allowed to unseal: the phase gate, nothing else.
 SANCTIONED_READERS: frozenset[tuple[str, str]] = frozenset(
     {("orchestrate.research.gate", "run_gate")}
@@ -50,20 +53,6 @@ class HoldoutSealed(PermissionError):
 
 class HoldoutError(ConfigError):
     """A holdout file is missing, malformed, or overlaps the development prompts."""
-
-
-class _Sealed(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    for_workload: str
-    prompts: list[Prompt] = Field(min_length=1)
-    seeds: list[int] | None = Field(None, description="Default: the development seeds.")
-
-
-class _HoldoutFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    sealed_holdout: _Sealed
 
 
 # ---------------------------------------------------------------------------- the seal
@@ -130,15 +119,16 @@ def load_holdout(
 
     It shares `dev`'s voice, sampling and length policy (so only the prompts differ), is
     named '<dev>@holdout', keeps every recording (all are scored) and warms up at least once.
+    Its prompts are placeholders (api.sealed.seal): plan it with `sealed_file=path`.
     """
     _check(key)
     path = path or holdout_path(dev.name)
     if not path.exists():
         raise HoldoutError(f"no holdout prompts for workload {dev.name!r}: {path} is missing")
     try:
-        sealed = _HoldoutFile.model_validate(yaml.safe_load(path.read_text())).sealed_holdout
-    except (ValidationError, yaml.YAMLError) as exc:
-        raise HoldoutError(f"{path}: not a sealed holdout file: {exc}") from exc
+        sealed = sealing.read_sealed(path)
+    except sealing.SealedError as exc:
+        raise HoldoutError(str(exc)) from exc
     if sealed.for_workload != dev.name:
         raise HoldoutError(f"{path} is sealed for {sealed.for_workload!r}, not {dev.name!r}")
     _refuse_overlap(dev, sealed.prompts, path)
@@ -150,19 +140,19 @@ def load_holdout(
         "warmups": max(1, dev.warmups),
         "save_audio": len(sealed.prompts) * len(seeds),
     }
+    # Hashed over the clear texts, as before placeholders: the audit's holdout identity.
     blob = json.dumps(data["prompts"] + [seeds], sort_keys=True)
-    return Workload.model_validate(data), hashlib.sha256(blob.encode()).hexdigest()[:16]
+    held = sealing.seal(Workload.model_validate(data))
+    return held, hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _refuse_overlap(dev: Workload, prompts: list[Prompt], path: Path) -> None:
-    from orchestrate.api.scoring import normalize_text
-
+    """Holdout prompts sharing an id with, or copying (api.sealed.match), a dev prompt."""
     dev_ids = {p.id for p in dev.prompts}
-    dev_texts = {normalize_text(p.text): p.id for p in dev.prompts}
-    clashes = [
-        f"{p.id} (id)" if p.id in dev_ids else f"{p.id} = dev {dev_texts[normalize_text(p.text)]}"
-        for p in prompts
-        if p.id in dev_ids or normalize_text(p.text) in dev_texts
+    held = [sealing.Fingerprint.of(str(path), p) for p in prompts]
+    clashes = [f"{p.id} (id)" for p in prompts if p.id in dev_ids] + [
+        f"{leak.holdout_id} = dev {leak.prompt_id} ({leak.how})"
+        for leak in sealing.find_leaks(dev, held)
     ]
     if clashes:
         raise HoldoutError(f"{path}: holdout prompts overlap development prompts: {clashes}")
@@ -231,6 +221,40 @@ def close_audit(
 ) -> None:
     """Close an opening with the gate's verdict (or 'error') and the run that saw it."""
     store.close_holdout_audit(audit_id, status, run_id, detail)
+
+
+def audit_refusal(store: Store, exc: sealing.HoldoutLeak, holder: str) -> int:
+    """Record a plan refused for holding holdout text (closed at once, status 'error', no
+    run); `holder` names the command. Returns the audit id.
+
+    The row is keyed by the refused workload (its development name: 'smoke' for the gate's
+    'smoke@remeasure') and the first matched holdout prompt's digest, never a holdout's
+    hash, so it is no earlier opening of any holdout to flag a stack by.
+    """
+    first, stack = exc.leaks[0], exc.stacks[-1]  # the last stack listed: the candidate
+    return store.record_holdout_refusal(
+        workload_name=split_phase(exc.workload)[0],
+        holdout_hash=first.holdout_digest,
+        stack_name=stack.name,
+        stack_hash=stack.content_hash(),
+        lineage=lineage(stack),
+        protocol_hash=exc.protocol_hash,
+        detail={
+            "holder": holder,
+            "workload": exc.workload,
+            "outcome": exc.outcome(first),
+            "matches": [
+                {
+                    "outcome": exc.outcome(leak),
+                    "how": leak.how,
+                    "holdout_file": leak.holdout_file,
+                    "holdout_digest": leak.holdout_digest,
+                }
+                for leak in exc.leaks
+            ],
+            "stacks": [s.name for s in exc.stacks],
+        },
+    )
 
 
 def list_audits(store: Store, workload_name: str | None = None) -> list[dict[str, Any]]:

@@ -9,7 +9,11 @@ From that:
 - speed: each repeat's A/A paired speedup and bootstrap CI. Identical stacks should give
   1.0; how far the CI reaches is the timing noise. The proposed `speed.min_speedup` is the
   widest A/A bound seen (max of CI high and 1 / CI low), so a candidate must beat what
-  noise alone produced.
+  noise alone produced. `NoiseAnalysis.min_speedup_derivation` spells that out with the
+  measured numbers.
+- refusal: a machine whose A/A timings spread more than `noise.max_aa_cv` (sd/mean of the
+  speed metric over every A/A measurement) gets no protocol: gates set there would encode
+  the machine's noise, not the method's (`TooNoisy`).
 - quality: per gated metric, stock's per-repeat means. Tolerance = max(k x sqrt(2) x sd,
   the largest difference between two repeats, the largest same-seed A/A difference, the
   metric's floor); sqrt(2) because a gate compares two runs, each with that sd.
@@ -41,6 +45,10 @@ SPEED_METRICS = ("rtf", "median_latency_s", "p95_latency_s", "tokens_per_s", "me
 
 class NoiseError(RuntimeError):
     pass
+
+
+class TooNoisy(NoiseError):
+    """The A/A spread exceeds the protocol's `noise.max_aa_cv`: no protocol is proposed."""
 
 
 def aa_copy(stack: StackSpec) -> StackSpec:
@@ -88,6 +96,13 @@ class NoiseAnalysis:
     quality: dict[str, Spread] = field(default_factory=dict)
     coverage_failures: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The speed metric of the stack and its A/A copy, every repeat: sd/mean is the machine's
+    # timing noise, judged against `noise.max_aa_cv` before any protocol is proposed.
+    aa_timing: Spread | None = None
+    aa_cv: float = 0.0
+    # How min_speedup came from the A/A checks: one term per repeat, and the formula with them.
+    min_speedup_terms: list[dict[str, Any]] = field(default_factory=list)
+    min_speedup_derivation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +159,13 @@ def analyse(
     if not bounds:
         raise NoiseError("no paired utterances in any repeat: nothing to measure")
     out = NoiseAnalysis(list(run_ids), stack, aa_checks, _round_up(max(1.0, *bounds), 4))
+    out.min_speedup_terms, out.min_speedup_derivation = _derivation(out, protocol)
+    metric = protocol.speed_metric
+    timings = [r.metrics[metric] for res in results for r in res.results if metric in r.metrics]
+    if len(timings) > 1:
+        out.aa_timing = _spread(f"{metric} (A/A, {stack} and {stack}{AA_SUFFIX})", timings)
+        mean = out.aa_timing.mean
+        out.aa_cv = out.aa_timing.sd / mean if mean > 0 else math.inf
     for metric in SPEED_METRICS:
         vals = [r.results[0].metrics[metric] for r in results if metric in r.results[0].metrics]
         if len(vals) == len(results):
@@ -178,9 +200,56 @@ def analyse(
     return out
 
 
-def propose(protocol: Protocol, analysis: NoiseAnalysis) -> Protocol:
+def _derivation(out: NoiseAnalysis, protocol: Protocol) -> tuple[list[dict[str, Any]], str]:
+    """Per-repeat terms of min_speedup and the formula written out with them: exactly what
+    `analyse` computes (the widest A/A bound, rounded up), so nobody has to guess."""
+    terms, parts = [], []
+    for i, (run, c) in enumerate(zip(out.runs, out.aa, strict=True), 1):
+        bound = max(c.ci_high, 1 / c.ci_low) if c.n_pairs else None
+        terms.append(
+            {"repeat": i, "run": run, "speedup": c.speedup, "ci_low": c.ci_low,
+             "ci_high": c.ci_high, "n_pairs": c.n_pairs, "bound": bound}
+        )  # fmt: skip
+        parts.append(
+            f"repeat {i}: max({c.ci_high:.4f}, 1/{c.ci_low:.4f}) = {bound:.4f}"
+            if bound is not None
+            else f"repeat {i}: no pairs"
+        )
+    rule = protocol.speed
+    text = (
+        f"min_speedup {out.min_speedup:g} = max(1, max over {len(terms)} repeats of "
+        f"max(CI high, 1/CI low)), rounded up to 4 significant digits; CI: "
+        f"{rule.confidence:.0%} bootstrap ({rule.resamples} resamples) of the paired "
+        f"{protocol.speed_metric} speedup of {out.stack}{AA_SUFFIX} vs {out.stack}; "
+        + "; ".join(parts)
+    )
+    return terms, text
+
+
+def check_quiet(protocol: Protocol, analysis: NoiseAnalysis) -> None:
+    """Refuse (TooNoisy) when the A/A timing spread exceeds the protocol's bound."""
+    bound = protocol.noise.max_aa_cv
+    if analysis.aa_cv <= bound or analysis.aa_timing is None:
+        return
+    t = analysis.aa_timing
+    raise TooNoisy(
+        f"machine too noisy: sd/mean {_pct(analysis.aa_cv)} > {_pct(bound)} (protocol "
+        f"{protocol.name} v{protocol.version} noise.max_aa_cv); {t.metric} ranged "
+        f"{min(t.values):.3g} to {max(t.values):.3g} over {len(analysis.runs)} repeats; "
+        "re-run on a quiet device (no protocol written; the A/A runs stay recorded)"
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.3g}%"
+
+
+def propose(protocol: Protocol, analysis: NoiseAnalysis, version: int | None = None) -> Protocol:
     """The next protocol version: gates and min_speedup from `analysis`; manual gates and
-    gates on metrics noise did not measure are kept."""
+    gates on metrics noise did not measure are kept. TooNoisy when the A/A timing spread
+    exceeds `noise.max_aa_cv`: such gates would measure the machine, not the method.
+    `version`: the new version's number (default: the next one; see bumped)."""
+    check_quiet(protocol, analysis)
     measured = set(analysis.quality)
     kept = [g for g in protocol.quality.gates if g.origin == "manual" or g.metric not in measured]
     runs = ", ".join(r[:8] for r in analysis.runs)
@@ -198,13 +267,15 @@ def propose(protocol: Protocol, analysis: NoiseAnalysis) -> Protocol:
         update={
             "min_speedup": analysis.min_speedup,
             "origin": "noise",
-            "note": f"A/A {analysis.stack} vs {analysis.stack}{AA_SUFFIX} per repeat: {aa}",
+            "note": f"A/A {analysis.stack} vs {analysis.stack}{AA_SUFFIX} per repeat: {aa}. "
+            + analysis.min_speedup_derivation,
         }
     )
     quality = protocol.quality.model_copy(update={"gates": kept + new})
     return bumped(
         protocol,
         noise_runs=list(analysis.runs),
+        version=version,
         quality=quality.model_dump(mode="json"),
         speed=speed.model_dump(mode="json"),
     )

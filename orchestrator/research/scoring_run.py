@@ -14,6 +14,7 @@ gets a real, non-trivial SIM too and candidate - stock deltas are like for like.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import socket
 from collections import defaultdict
@@ -28,6 +29,7 @@ from pydantic import Field
 
 from orchestrate.api.protocol import POOLED, Protocol
 from orchestrate.api.records import Record, ResultRecord, UtteranceRecord, utcnow
+from orchestrate.api.sealed import resolve
 
 if TYPE_CHECKING:
     import numpy as np
@@ -75,6 +77,7 @@ class _Item:
     audio: Path | None
     missing: str | None = None
     reference: Path | None = None
+    sealed: bool = False  # a holdout prompt: what the scorer heard is stored hashed
 
 
 def audio_root(result: ResultRecord, result_path: str | Path | None = None) -> Path:
@@ -89,7 +92,9 @@ def audio_root(result: ResultRecord, result_path: str | Path | None = None) -> P
 
 
 def _items(result: ResultRecord, root: Path) -> list[_Item]:
-    texts = {p.id: p.text for p in result.job.workload.prompts}
+    # A holdout run's job carries placeholders: the texts come from its sealed file.
+    job = result.job
+    texts = {p.id: p.text for p in resolve(job.workload, job.sealed_file).prompts}
     items = []
     for sr in result.results:
         for i, u in enumerate(sr.utterances):
@@ -101,7 +106,8 @@ def _items(result: ResultRecord, root: Path) -> list[_Item]:
                 )
             elif not path.is_file():
                 missing = f"recording missing: {path}"
-            items.append(_Item(sr.stack.name, i, u, texts[u.prompt_id], path, missing))
+            text, sealed = texts[u.prompt_id], job.sealed_file is not None
+            items.append(_Item(sr.stack.name, i, u, text, path, missing, sealed=sealed))
     base = [it for it in items if it.stack == result.job.baseline.name and it.missing is None]
     for it in items:  # speaker reference: stock's recording of another utterance
         others = [b for b in base if b.utt.round != it.utt.round]
@@ -217,9 +223,19 @@ def _score_one(scorer: Scorer, it: _Item, cache: dict[Path, Any]) -> ScoreRow:
         **row,
         status="ok",
         values=score.values,
-        details=score.details,
+        details=_sealed_details(score.details) if it.sealed else score.details,
         resample=None if score.resample is None else asdict(score.resample),
     )
+
+
+def _sealed_details(details: dict[str, str]) -> dict[str, str]:
+    """A transcript of a holdout recording is (with real weights) the holdout text itself:
+    only its hash is kept, so the scores table never holds a holdout prompt in clear."""
+    return {k: f"<sealed sha256:{_sha(v)}>" for k, v in details.items()}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- storage

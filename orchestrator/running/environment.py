@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -12,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -148,6 +151,66 @@ def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
     return 2 * n**3 / _median_seconds(lambda: a @ b, dev, repeats) / 1e12
 
 
+def _cpuinfo(key: str) -> list[str]:
+    """Values of `key` lines in /proc/cpuinfo, one per logical core that has it."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return []
+    return [v.strip() for k, _, v in (ln.partition(":") for ln in text.splitlines())
+            if k.strip() == key]  # fmt: skip
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {
+        k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in out.stdout.splitlines())
+    }
+
+
+def cpu_model() -> str | None:
+    names = _cpuinfo("model name") or [_lscpu().get("Model name", "")]
+    return names[0] or platform.processor() or None
+
+
+def cpu_max_mhz() -> float | None:
+    """The max clock where the kernel says it (cpufreq, lscpu); else the highest clock
+    /proc/cpuinfo reports, which is what a VM (no cpufreq) shows as its nominal clock."""
+    try:
+        khz = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()
+        return float(khz) / 1e3
+    except (OSError, ValueError):
+        pass
+    lscpu = _lscpu().get("CPU max MHz")
+    clocks = []
+    for raw in [lscpu] if lscpu else _cpuinfo("cpu MHz"):
+        with contextlib.suppress(ValueError):
+            clocks.append(float(raw))
+    return max(clocks, default=None)
+
+
+@functools.cache
+def single_thread_ms(repeats: int = 5) -> float:
+    """Median ms of a fixed pure-Python loop, once per worker: the host's single-thread speed,
+    which bounds a token loop's launches and syncs. Comparable across hosts on one Python."""
+
+    def loop() -> int:
+        total = 0
+        for i in range(300_000):
+            total += i * i % 7
+        return total
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        loop()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def capture(
     device: str, model_config_hash: str, dtype: torch.dtype | None = None
 ) -> EnvironmentInfo:
@@ -172,6 +235,9 @@ def capture(
         copy_gb_s=copy_bandwidth_gb_s(device),
         matmul_tflop_s=matmul_tflop_s(device, dtype) if dtype is not None else None,
         cpu_count=os.cpu_count() or 1,
+        cpu_model=cpu_model(),
+        cpu_max_mhz=cpu_max_mhz(),
+        cpu_single_thread_ms=single_thread_ms(),
         git_sha=sha,
         git_dirty=dirty,
         model_config_hash=model_config_hash,

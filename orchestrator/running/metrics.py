@@ -302,3 +302,39 @@ def exactness(
     if within_tolerance is None:
         return "unmeasured"
     return "exact" if within_tolerance else "failed"
+
+
+# ------------------------------------------------------------------------------ guards
+# The kernel-benchmark leaderboards' lessons: a time faster than the hardware allows is a
+# bug (skipped work, a timer stopped before the device finished), never a win. The store
+# keeps a stack's metrics, not its record's guard fields, so each verdict is also a metric
+# (set by running/guards.mark) and the floor verdict is recomputed from stored metrics.
+
+INVALID = "invalid"  # 1.0: timings faster than their floor; never accepted
+SAME_AUDIO = "audio_independent_of_input"  # 1.0: two inputs, one waveform
+SAME_AUDIO_ROUNDS = ("audio_same_round_a", "audio_same_round_b")  # which two (their rounds)
+FIDELITY_FAILED = "fidelity_failed"  # 1.0: this stack's fidelity check raised
+
+
+def floor_violations(m: Mapping[str, float]) -> list[str]:
+    """Why a stack's stored timings cannot be real: a token (or whole-sequence forward)
+    measured faster than moving its bytes at the copy bandwidth measured on the same
+    device. [] when none, or when no floor is known."""
+    out = []
+    for per in ("token", "forward"):
+        took, floor = m.get(f"ms_per_{per}"), m.get(f"floor_ms_per_{per}")
+        if took is not None and floor is not None and took < floor:
+            out.append(
+                f"{took:.4g} ms per {per} is faster than its floor of {floor:.4g} ms (its bytes "
+                "at the measured copy bandwidth): work skipped, or a timer stopped early"
+            )
+    return out
+
+
+def invalid_reasons(m: Mapping[str, float], recorded: str | None = None) -> list[str]:
+    """Why a stack (its stored metrics; its record's `invalid` where there is one) must not
+    be believed or accepted; [] when nothing says so."""
+    reasons = floor_violations(m)
+    if not reasons and (recorded or m.get(INVALID)):
+        reasons = [recorded or "marked invalid when it was measured"]
+    return reasons

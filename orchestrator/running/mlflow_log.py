@@ -66,7 +66,8 @@ class Synced(NamedTuple):
 
 def sync_mlflow(store: Any, run_ids: list[str] | None = None) -> list[Synced]:
     """Log to MLflow the named runs (ids or prefixes), or every run holding a result but no
-    MLflow run, from the stored records; link each to its MLflow runs."""
+    MLflow run, from the stored records; link each to its MLflow runs and put the gate
+    decisions made on it onto its stacks' runs (tracking.log_decision)."""
     from orchestrate.store import tracking
 
     ids = [store.resolve(r) for r in run_ids] if run_ids else store.runs_without_mlflow()
@@ -84,6 +85,9 @@ def sync_mlflow(store: Any, run_ids: list[str] | None = None) -> list[Synced]:
                 path.parent if path else None,  # where the result's WAV paths start
             )
             store.set_mlflow_run_ids(run_id, parent, children)
+            for d in store.list_decisions():  # a gated run's verdicts go with it
+                if d["run_id"] == run_id and d["stack"] in children:
+                    tracking.log_decision(children[d["stack"]], d["reasons"])
             done.append(Synced(run_id, parent, None))
         except Exception as exc:  # one run's failure does not stop the others
             done.append(Synced(run_id, None, one_line(exc)))

@@ -3,12 +3,17 @@
 Validation here is static (names, family, params, conflicts, order), so a bad stack fails
 before any model is built or GPU time is spent. Device requirements are checked again by
 the worker, on the device that will run them.
+
+A workload holding a sealed holdout text, or a near copy of one, is refused here
+(HoldoutLeak, which the callers holding a store audit). The gate's holdout job carries
+placeholders instead of texts and names its sealed file (`sealed_file`); see api/sealed.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrate.api import sealed
 from orchestrate.api.config import ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import JobSpec
@@ -26,7 +31,13 @@ def plan_job(
     strict: bool = False,
     fidelity_steps: int = 32,
     check_device: bool = True,
+    sealed_file: Path | None = None,
 ) -> JobSpec:
+    leaks = sealed.find_leaks(workload)  # first: nothing else about this job matters
+    if leaks:
+        raise sealed.HoldoutLeak(workload.name, leaks, stacks, protocol.content_hash())
+    ref = None if sealed_file is None else sealed.sealed_ref(sealed_file)
+    sealed.resolve(workload, ref)  # placeholders need their file and its texts unchanged
     names = [s.name for s in stacks]
     if len(set(names)) != len(names):
         raise StackError(f"the same stack is listed twice: {names}")
@@ -54,6 +65,7 @@ def plan_job(
         code_dirty=code.dirty,
         code_diff_hash=code.diff_hash,
         technique_code=technique_code(stacks),
+        sealed_file=ref,
     )
     return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
 

@@ -162,7 +162,7 @@ _OOM = re.compile(r"out of memory|OutOfMemoryError|\bOOM\b", re.IGNORECASE)
 
 
 def _oom_evidence(output: str, pid: int | None) -> str:
-    """" (out of memory ...)" when something says so, else "": a SIGKILL alone is also
+    """ " (out of memory ...)" when something says so, else "": a SIGKILL alone is also
     what `kill -9`, a scheduler or a container limit sends."""
     if pid is not None:
         with suppress(OSError, subprocess.SubprocessError):  # dmesg may be restricted
@@ -288,7 +288,7 @@ def execute(
 
 
 def _resume_hint(run_id: str, job_dir: Path) -> str:
-    """"; N measured utterances kept: ..." when the worker recorded any before it ended."""
+    """ "; N measured utterances kept: ..." when the worker recorded any before it ended."""
     journal = job_dir / "utterances.jsonl"
     lines = journal.read_text(errors="replace").splitlines() if journal.is_file() else []
     kept = sum(1 for line in lines if line.strip().endswith("}"))  # not a line cut short

@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
+from orchestrate.api import sealed
 from orchestrate.api.config import LengthPolicy
 from orchestrate.api.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
 from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps, Refused
-from orchestrate.running import environment
+from orchestrate.running import environment, guards
 from orchestrate.running.audio import integrity, write_wav
 from orchestrate.running.metrics import point_metrics, summarize
 
@@ -53,9 +54,13 @@ def memory(phase: str) -> None:
     process-wide peak comes from, phase by phase."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-        emit("memory", phase=phase, allocated_bytes=torch.cuda.memory_allocated(),
-             peak_bytes=torch.cuda.max_memory_allocated(),
-             reserved_bytes=torch.cuda.memory_reserved())
+        emit(
+            "memory",
+            phase=phase,
+            allocated_bytes=torch.cuda.memory_allocated(),
+            peak_bytes=torch.cuda.max_memory_allocated(),
+            reserved_bytes=torch.cuda.memory_reserved(),
+        )
 
 
 JOURNAL = "utterances.jsonl"
@@ -179,18 +184,22 @@ def run_job(job: JobSpec) -> ResultRecord:
             setup_s=time.perf_counter() - t0,
         )
 
-    wl = job.workload
+    wl = sealed.resolve(job.workload, job.sealed_file)  # holdout texts: in memory only
     _fault("warmup", out_dir)
     _warm_up(family, engines, results, wl)
     memory("warmed up")
     _fault("fidelity", out_dir)
     if job.fidelity_steps and engines:
         emit("status", message="teacher-forced fidelity against stock")
-        try:
-            for name, rec in family.fidelity(model, engines, wl, job.fidelity_steps).items():
-                results[name].fidelity = rec
-        except Exception as exc:  # fidelity is a report, not a reason to lose the timings
-            emit("status", message=f"fidelity failed: {_describe(exc)}")
+        # A report, not a reason to lose the timings; a failure is its stack's own error.
+        found, errors = guards.fidelity_per_stack(
+            family, model, engines, wl, job.fidelity_steps, _describe
+        )
+        for name, rec in found.items():
+            results[name].fidelity = rec
+        for name, why in errors.items():
+            results[name].fidelity_error = why
+            emit("status", message=f"fidelity failed for {name}: {why}")
 
     memory("fidelity done")
     pairs = list(itertools.product(wl.prompts, wl.seeds))
@@ -199,6 +208,7 @@ def run_job(job: JobSpec) -> ResultRecord:
     done, timed = len(carried), 0
     # Recordings a resumed run saved already count against save_audio.
     saved = {n: sum(u.audio_path is not None for u in results[n].utterances) for n in engines}
+    prints = guards.AudioPrints()  # does a stack's audio depend on its input?
     for rnd, (prompt, seed) in enumerate(pairs):
         names = list(engines)
         order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate: no fixed first
@@ -209,6 +219,7 @@ def run_job(job: JobSpec) -> ResultRecord:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 syn = family.synthesize(engines[name], prompt.text, seed, wl)
+                guards.check_waveform(syn)  # on the host, finite, not empty: inside its time
                 ttfa = _time_to_first_audio(family, engines[name], prompt.text, seed, wl)
             except Exception as exc:
                 results[name].status = "failed"
@@ -222,6 +233,7 @@ def run_job(job: JobSpec) -> ResultRecord:
                 rel = Path(name) / f"{prompt.id}_s{seed}.wav"
                 write_wav(out_dir / rel, syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
+            prints.add(name, prompt.id, prompt.text, seed, rnd, syn.audio, syn.sample_rate)
             utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa)
             journal.append(name, utt)  # on disk before anything else can go wrong
             results[name].utterances.append(utt)
@@ -234,6 +246,7 @@ def run_job(job: JobSpec) -> ResultRecord:
         res.utterances.sort(key=lambda u: u.round)
 
     launches = _launch_metrics(family, engines, results, wl, device)
+    slot_ms = _slot_metrics(job, family, engines, results, wl)
     env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
     for name, res in results.items():
         res.metrics = summarize(res.utterances)
@@ -241,7 +254,10 @@ def run_job(job: JobSpec) -> ResultRecord:
         if name in engines:
             res.metrics.update(_floor_metrics(family, engines[name], res, env.copy_gb_s))
             res.metrics.update(launches.get(name, {}))
+            res.metrics.update(slot_ms.get(name, {}))
             res.metrics.update(_forward_metrics(res, env))
+        res.audio_independent_of_input = prints.find(name)
+        guards.mark(res)  # faster than its floor: invalid; every guard's verdict in metrics
     statuses = {r.status for r in results.values()}
     status = (
         "finished"
@@ -394,6 +410,28 @@ def _launch_metrics(
             continue
         if counts:
             out[name] = counts
+    return out
+
+
+def _slot_metrics(
+    job: JobSpec, family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any
+) -> dict[str, dict[str, float]]:
+    """slot_ms.<slot> per stack when the job asks (profile_slots): each slot's own time per
+    step. After the timed rounds: its timers synchronise every call. A family that does not
+    profile returns {}; a failed profile is reported, not fatal."""
+    if not job.profile_slots:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for name, engine in engines.items():
+        if results[name].status == "failed":
+            continue
+        emit("status", message=f"timing slots: {name}")
+        try:
+            ms = family.slot_profile(engine, wl.prompts[0].text, wl.seeds[0], wl)
+        except Exception as exc:
+            emit("status", message=f"slot profile of {name} failed: {_describe(exc)}")
+            continue
+        out[name] = {f"slot_ms.{slot}": v for slot, v in ms.items()}
     return out
 
 

@@ -14,8 +14,31 @@ from sqlalchemy import select
 from orchestrate.api.config import StackSpec
 from orchestrate.api.records import utcnow
 from orchestrate.db.models import Champion, Decision, Failure, Stack, StackResultRow, columns
-from orchestrate.store.rows import failure_row
+from orchestrate.store.rows import failure_cause, failure_row
 from orchestrate.store.sessions import Sessions
+
+# Ledger causes that failures.cause (a closed set, db.models.FAILURE_CAUSES) cannot hold:
+# stored under the nearest cause with the fact first in the detail (`below the noise bar:
+# ...`), and named again when read (ledger_cause). No migration for a label.
+NOISE_BAR = "below the noise bar"  # faster than its parent, but the CI did not clear the bar
+STORED_AS = {NOISE_BAR: "slower"}
+CRASHES = ("oom", "crash", "compile", "other")  # classified from the message: re-read as facts
+
+
+def stored_cause(cause: str) -> str:
+    """The failures.cause value a ledger cause is stored under."""
+    return STORED_AS.get(cause, cause)
+
+
+def ledger_cause(cause: str, detail: str | None) -> str:
+    """A stored failure's cause as a fact: the label a stored cause stands for (its detail
+    starts with it), and crashes re-read from their message (rows.failure_cause), so rows
+    stored before the cause was factual (a SIGKILL filed as `oom`) read right too."""
+    text = detail or ""
+    for label, stored in STORED_AS.items():
+        if cause == stored and text.startswith(f"{label}:"):
+            return label
+    return failure_cause(text) if cause in CRASHES else cause
 
 
 class DecisionsMixin(Sessions):
@@ -147,9 +170,14 @@ class DecisionsMixin(Sessions):
     def record_failure(
         self, stack_name: str | None, cause: str, detail: str, run_id: str | None = None
     ) -> None:
-        """Add a failures-ledger entry (e.g. 'slower' or 'gate' from the accept protocol)."""
+        """Add a failures-ledger entry (e.g. 'slower' or 'gate' from the accept protocol); a
+        cause the table cannot hold (NOISE_BAR) is stored as STORED_AS says, named in the
+        detail."""
+        stored = stored_cause(cause)
+        if stored != cause:
+            detail = f"{cause}: {detail}"
         with self._write() as s:
-            s.add(failure_row(run_id, stack_name, cause, detail))
+            s.add(failure_row(run_id, stack_name, stored, detail))
 
     def list_failures(self, limit: int = 100, run_id: str | None = None) -> list[dict[str, Any]]:
         """Failures-ledger entries (all columns), newest first."""

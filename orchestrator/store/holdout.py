@@ -1,6 +1,7 @@
 """The holdout audit: a row for every sanctioned opening of a sealed holdout, closed later
-with the verdict. Who may open a holdout, and what gets flagged, is research's business
-(orchestrate.research.holdout); this module only writes and reads the rows.
+with the verdict, and for every plan refused for holding holdout text. Who may open a
+holdout, and what gets flagged, is research's business (orchestrate.research.holdout); this
+module only writes and reads the rows.
 """
 
 from __future__ import annotations
@@ -67,6 +68,40 @@ class HoldoutMixin(Sessions):
             s.add(row)
             s.flush()  # assigns the id
             return row.id, flags
+
+    def record_holdout_refusal(
+        self,
+        *,
+        workload_name: str,
+        holdout_hash: str,
+        stack_name: str,
+        stack_hash: str,
+        lineage: str,
+        protocol_hash: str,
+        detail: dict[str, Any],
+    ) -> int:
+        """Add a closed audit row for a plan refused because its workload held holdout
+        text: status 'error' (the statuses are fixed without a migration), no run, not
+        flagged; `detail` says what was refused ("outcome"). Returns the audit id."""
+        now = utcnow()
+        with self._write() as s:
+            row = HoldoutAudit(
+                opened_at=now,
+                closed_at=now,
+                workload_name=workload_name,
+                holdout_hash=holdout_hash,
+                stack_name=stack_name,
+                stack_hash=stack_hash,
+                lineage=lineage,
+                protocol_hash=protocol_hash,
+                status="error",
+                flagged=False,
+                flags_json="[]",
+                detail_json=json.dumps(detail, default=str),
+            )
+            s.add(row)
+            s.flush()  # assigns the id
+            return row.id
 
     def close_holdout_audit(
         self, audit_id: int, status: str, run_id: str | None, detail: dict[str, Any]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from orchestrate.api.protocol import Protocol, ProtocolError
 from orchestrate.api.records import utcnow
@@ -44,6 +44,15 @@ class ProtocolsMixin(Sessions):
                     created_at=utcnow(),
                 )
             )
+
+    def next_protocol_version(self, protocol: Protocol) -> int:
+        """The number a new version derived from `protocol` takes: past every version of its
+        name the database has seen, so a second derivation never collides with the first."""
+        with self._read() as s:
+            latest = s.scalar(
+                select(func.max(ProtocolRow.version)).where(ProtocolRow.name == protocol.name)
+            )
+        return max(protocol.version, latest or 0) + 1
 
     def recorded_protocols(self) -> list[dict[str, Any]]:
         """Every protocol version the database has seen, oldest first: name, version, hash,

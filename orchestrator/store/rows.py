@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 from typing import Any
 
 from sqlalchemy import select
@@ -30,14 +32,38 @@ RESULT_STATUS = {"finished": "FINISHED", "partial": "PARTIAL", "failed": "FAILED
 Comparisons = dict[str, dict[str, float]]
 
 
-def classify_failure(error: str | None) -> str:
-    """A failures-ledger cause for an error message."""
-    text = (error or "").lower()
-    if "out of memory" in text or "outofmemory" in text or "oom" in text.split():
+# Out of memory only as a fact: CUDA's own error (torch.OutOfMemoryError, "CUDA out of
+# memory") or the kernel's OOM killer as runner.describe_exit names it. Its "(out of
+# memory?)" is a guess from a log line, and a bare SIGKILL is also what `kill -9`, a
+# scheduler or a container limit sends.
+_OOM_FACT = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|the kernel's OOM killer"
+)
+_KILLED = re.compile(r"killed by (?:signal (\d+)|(SIG[A-Z0-9]+))")
+
+
+def failure_cause(error: str | None) -> str:
+    """What a failure message says, as a fact: `oom`, `killed (signal N)`, `compile`,
+    `crash`, or `other` (no message)."""
+    text = error or ""
+    if _OOM_FACT.search(text):
         return "oom"
-    if any(w in text for w in ("compile", "inductor", "dynamo", "triton")):
+    if killed := _KILLED.search(text):
+        number, name = killed.groups()
+        if name in signal.Signals.__members__:
+            number = str(signal.Signals[name].value)
+        return f"killed (signal {number or name})"
+    if any(w in text.lower() for w in ("compile", "inductor", "dynamo", "triton")):
         return "compile"
     return "crash" if text else "other"
+
+
+def classify_failure(error: str | None) -> str:
+    """A failures-ledger cause for an error message, as stored: failures.cause is a closed
+    set (db.models.FAILURE_CAUSES), so a kill is stored as `crash` and the ledger names
+    the signal from the detail (failure_cause)."""
+    cause = failure_cause(error)
+    return "crash" if cause.startswith("killed") else cause
 
 
 def failure_row(run_id: str | None, stack_name: str | None, cause: str, detail: str) -> Failure:

@@ -277,7 +277,7 @@ class RunsMixin(Sessions):
 def _job_json(job: JobSpec) -> str:
     """The job as stored: a job that resumes nothing leaves its empty resume fields out, so
     runs recorded before resuming existed and after it read (and diff) alike."""
-    empty = {k for k in ("resumed_from", "carried") if not getattr(job, k)}
+    empty = {k for k in ("resumed_from", "carried", "sealed_file") if not getattr(job, k)}
     return job.model_dump_json(exclude=empty)
 
 

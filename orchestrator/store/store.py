@@ -5,6 +5,7 @@ session.
 The methods live by concept in sibling modules, composed here:
     runs.py        run lifecycle (begin, finish, fail, ingest, reconcile), listing, results
     decisions.py   decisions, champions, the failures ledger
+    explorations.py  explorations (`orchestrate explore`) and their candidates
     scores.py      scores of a run's recordings
     holdout.py     the holdout audit
     protocols.py   protocol versions
@@ -29,6 +30,7 @@ from orchestrate.store.errors import (
     StoreUnavailable,
     UnknownSchema,
 )
+from orchestrate.store.explorations import ExplorationsMixin
 from orchestrate.store.holdout import HoldoutMixin
 from orchestrate.store.protocols import ProtocolsMixin
 from orchestrate.store.runs import RunsMixin
@@ -46,7 +48,9 @@ __all__ = [
 ]
 
 
-class Store(RunsMixin, DecisionsMixin, ScoresMixin, HoldoutMixin, ProtocolsMixin):
+class Store(
+    RunsMixin, DecisionsMixin, ScoresMixin, HoldoutMixin, ProtocolsMixin, ExplorationsMixin
+):
     """The run database at `url` (default: $ORCHESTRATE_DB_URL, else ./orchestrate.db).
 
     Opening it checks it first: a URL, path or file it cannot use raises StoreUnavailable

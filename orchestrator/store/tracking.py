@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow.store.db.utils as mlflow_db_utils
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -36,6 +36,10 @@ from orchestrate.store.errors import StoreUnavailable
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB = "mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
+# MLflow 3 opens an experiment without this tag as a GenAI one (traces, prompts); the
+# model-training view (runs, metrics, registered models) is "custom_model_development".
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
 MAX_PARAM_CHARS = 6000  # MLflow refuses longer param values
 BATCH = 100  # MLflow's per-call limit on params and tags
 ATTEMPTS, RETRY_PAUSE_S = 2, 1.0  # log_run_bounded's tries, then sync-mlflow takes over
@@ -302,7 +306,8 @@ def _stack_measurements(sr: StackResult) -> dict[str, float]:
         out["peak_memory_bytes"] = float(sr.peak_memory_bytes)
     if sr.fidelity is not None:
         for key, value in sr.fidelity.model_dump().items():
-            if value is not None:  # noise floors exist for half precision only
+            # Noise floors exist for half precision only; what it covered is not a number.
+            if isinstance(value, int | float):
                 out[f"fidelity.{key}"] = float(value)
     return out
 
@@ -326,9 +331,11 @@ def _audio_files(sr: StackResult, limit: int, audio_dir: Path | None) -> Iterato
 def _experiment_id(mlf: MlflowClient, name: str) -> str:
     found = mlf.get_experiment_by_name(name)
     if found is not None:
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made before the kind was set: set it once
+            mlf.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     try:
-        return mlf.create_experiment(name)
+        return mlf.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException:  # created by a concurrent orchestrator meanwhile
         found = mlf.get_experiment_by_name(name)
         if found is None:
@@ -404,6 +411,63 @@ def _artifacts(mlf: MlflowClient, run_id: str, path: str | None) -> Iterator[str
             yield from _artifacts(mlf, run_id, info.path)
         else:
             yield info.path
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def decision_tags(reasons: dict[str, Any]) -> dict[str, str]:
+    """A gate decision (its stored reasons: research.decide's verdict dict and evidence) as
+    tags: verdict, causes, flags and what was overridden, whether quality was judged, each
+    quality gate's line, and the headline it was decided on with its label and CI."""
+    headline = reasons.get("decision_headline") or {}
+    tags = {
+        "gate.verdict": reasons.get("verdict", "?"),
+        "gate.causes": "; ".join(f"{k}: {v}" for k, v in (reasons.get("causes") or {}).items()),
+        "gate.flags": "; ".join(reasons.get("flags") or []),
+        "gate.overridden": "; ".join(reasons.get("overridden") or []),
+        "gate.quality": reasons.get("quality") or "judged",
+        "gate.headline": headline.get("label", "none"),
+    }
+    if "speedup_paired" in headline:
+        ci = [headline.get(f"speedup_paired_{k}") for k in ("lo", "hi")]
+        tags["gate.speedup_paired"] = f"{headline['speedup_paired']:.4g}"
+        if None not in ci:
+            tags["gate.speedup_paired_ci"] = f"[{ci[0]:.4g}, {ci[1]:.4g}]"
+    for g in reasons.get("gates") or []:
+        status = "ok" if g["passed"] else "FAIL" if g["passed"] is False else None
+        tags[f"gate.quality.{g['metric']}"] = f"{status} {g['why']}" if status else g["why"]
+    return {k: (v or "none")[:MAX_TAG_CHARS] for k, v in tags.items()}
+
+
+def decision_metrics(reasons: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a gate decision: the headline it was decided on and its CI, each speed
+    check, and the quality scores of the gates it judged (none on random weights: those are
+    not meaningful, and the tags say so)."""
+    headline = reasons.get("decision_headline") or {}
+    out = {f"gate.{k}": float(v) for k, v in headline.items() if k.startswith("speedup_paired")}
+    out["gate.accepted"] = float(reasons.get("verdict") == "accept")
+    for check in reasons.get("speed") or []:
+        if check["n_pairs"]:
+            for key in ("speedup", "ci_low", "ci_high"):
+                out[f"gate.{check['phase']}.{key}"] = float(check[key])
+    for g in reasons.get("gates") or []:
+        if g["passed"] is None:
+            continue
+        for key, value in (("", g["candidate"]), (".stock", g["stock"]), (".delta", g["delta"])):
+            if value is not None:
+                out[f"quality.{g['metric']}{key}"] = float(value)
+    return out
+
+
+def log_decision(stack_run_id: str, reasons: dict[str, Any]) -> None:
+    """Put a gate decision on the stack's MLflow run (the run that was gated)."""
+    mlf = client()
+    with store_lock():
+        tags = [RunTag(k, v) for k, v in decision_tags(reasons).items()]
+        for chunk in _chunks(tags, BATCH):
+            mlf.log_batch(stack_run_id, tags=chunk)
+        _log_batch(mlf, stack_run_id, metrics=decision_metrics(reasons))
 
 
 # --------------------------------------------------------------------------- champions

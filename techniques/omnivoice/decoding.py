@@ -31,7 +31,12 @@ class _Knob(Technique):
 
 
 class NumStepParams(TechniqueParams):
-    value: int = Field(16, ge=1, description="Unmasking steps (package default 32).")
+    value: int = Field(
+        16,
+        ge=1,
+        description="Unmasking steps (package default 32).",
+        json_schema_extra={"search": [4, 32]},  # the `params` proposer's range
+    )
 
 
 class NumStep(_Knob):
@@ -41,7 +46,12 @@ class NumStep(_Knob):
 
 
 class GuidanceScaleParams(TechniqueParams):
-    value: float = Field(2.0, ge=0, description="CFG scale (package default 2.0).")
+    value: float = Field(
+        2.0,
+        ge=0,
+        description="CFG scale (package default 2.0).",
+        json_schema_extra={"search": [0.0, 4.0]},
+    )
 
 
 class GuidanceScale(_Knob):
@@ -51,7 +61,12 @@ class GuidanceScale(_Knob):
 
 
 class TShiftParams(TechniqueParams):
-    value: float = Field(0.1, gt=0, description="Time-step shift (package default 0.1).")
+    value: float = Field(
+        0.1,
+        gt=0,
+        description="Time-step shift (package default 0.1).",
+        json_schema_extra={"search": [0.05, 1.0]},
+    )
 
 
 class TShift(_Knob):

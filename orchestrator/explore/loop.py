@@ -1,0 +1,724 @@
+"""The exploration loop, top to bottom (`Explorer.run`):
+
+    finish the round a killed session left open (the journal says which job was in flight)
+    until the budget is spent, K proposals in a row gained nothing, no proposer has more, or
+    the champion reached the --target:
+        fill a round: ask the proposers in turn for up to --per-job stacks; a proposer that
+        fails is ledgered; each candidate is written `open`, deduped on its identity (stack
+        + code + protocol + hardware: a repeat is never run) and planned alone (a stack that
+        does not plan is refused before anything runs)
+        dev: one job of stock, the champion and every candidate of the round (interleaved)
+        fresh: one job on fresh seeds of the dev winners, and of the winners combined (the
+            loop's own candidate, `combine`: changes that each pay alone may add up)
+        gate: the fresh winners, best first, until one is accepted (run_gate: the holdout,
+            audited); the rest are `superseded`: proposed again from the new champion
+        after each job: a decision per candidate with its numbers and reason
+        (explore.decisions), journaled; each decided candidate is ledgered when rejected and
+        told to its proposer (observe)
+        an accept moves the champion: proposers start over from it
+
+Jobs go through a Submitter (explore.submit): one local worker now, a queue of GPU workers
+later, the loop unchanged. The store is written before MLflow, which is best effort.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload
+from orchestrate.api.proposer import Decision, Proposal, Proposer, ProposerError
+from orchestrate.api.protocol import Protocol, ProtocolError
+from orchestrate.api.records import JobSpec, utcnow
+from orchestrate.api.registry import StackError
+from orchestrate.api.scoring import ScoringError
+from orchestrate.api.sealed import HoldoutLeak
+from orchestrate.explore import guards, jobs, state, tracking
+from orchestrate.explore.budget import Budget
+from orchestrate.explore.decisions import (
+    NEXT_PHASE,
+    Step,
+    headline_numbers,
+    judge_gate,
+    judge_measured,
+)
+from orchestrate.explore.submit import Submission, Submitter
+from orchestrate.research import decide
+from orchestrate.research.holdout import HoldoutError
+from orchestrate.running import metrics
+from orchestrate.running.runner import Outcome, ResumeRefused, comparisons, plan_resume
+
+PROPOSALS_PER_ASK = 4  # how many stacks a proposer is asked for at a time (queued)
+PROPOSER_FAILURES = 2  # a proposer failing this often in a row is not asked again
+COMBINE = "combine"  # the proposer name of the loop's own candidates: a round's winners together
+
+
+@dataclass
+class Setup:
+    """What an exploration runs with; fixed for its life (its row keeps it for --resume)."""
+
+    store: Any
+    model: ModelSpec
+    dev: Workload
+    protocol: Protocol
+    stock: StackSpec
+    proposers: list[Proposer]
+    budget: Budget
+    patience: int
+    submitter: Submitter
+    runs_dir: Path
+    track: bool
+    holdout_file: Path | None = None
+    fidelity_steps: int = 32
+    target: float | None = None  # stop once the champion's headline reaches it
+    per_job: int = 4  # candidates measured together in one dev job (a round)
+    say: Callable[[str], None] = lambda line: None
+    on_event: Callable[[dict[str, Any]], None] = lambda e: None
+    warnings: list[str] = field(default_factory=list)
+
+
+class Explorer:
+    def __init__(self, setup: Setup, exploration_id: str) -> None:
+        self.s, self.id = setup, exploration_id
+        row = setup.store.get_exploration(exploration_id)
+        self.champion = StackSpec.model_validate(row["champion"])
+        self.elapsed0, self.jobs = row["elapsed_s"], row["jobs"]
+        self.t0 = time.monotonic()
+        self.job_seconds: list[float] = []
+        self.since_gain = _since_gain(row["candidates"])
+        self.profile: dict[str, float] = {}
+        self.hardware = row["hardware"]
+        self.random_weights = decide.random_weights(setup.model)
+        self.techniques = state.technique_catalogue(setup.model.family)
+        self.caps = state.device_caps(setup.model.device, self.techniques)
+        self.failures: dict[str, int] = {}
+        self.turn = 0
+        self.mlflow_id = None
+        if setup.track:
+            self.mlflow_id, warning = tracking.start(row)
+            self._warn(warning)
+            if self.mlflow_id and not row["mlflow_run_id"]:
+                setup.store.update_exploration(exploration_id, mlflow_run_id=self.mlflow_id)
+
+    # ----------------------------------------------------------------------- the loop
+
+    def run(self) -> str:
+        """Explore until a stop rule holds; returns why it stopped (also stored)."""
+        self._after_round(self._finish_open())  # a killed session's round, where it stopped
+        queues: dict[str, deque[Proposal]] = {p.name: deque() for p in self.s.proposers}
+        exhausted: set[str] = set()
+        while True:
+            if why := self._spent() or self._target_reached():
+                return self._stop(why)
+            if self.since_gain >= self.s.patience:
+                return self._stop(
+                    f"patience: {self.since_gain} proposals in a row without a gain above the "
+                    f"noise bar (min speedup {self.s.protocol.speed.min_speedup:g})"
+                )
+            opened = self._fill_round(queues, exhausted)
+            if not opened:
+                names = ", ".join(p.name for p in self.s.proposers)
+                return self._stop(f"every proposer is exhausted ({names}): nothing new to try")
+            live = [c for _, _, c in opened if c["status"] == "open"]
+            decided = {c["id"]: c for c in self._round(live)}
+            for proposer, proposal, cand in opened:
+                cand = decided.get(cand["id"], cand)
+                if cand["spec"] is not None:
+                    proposer.observe(proposal, state.tried_of([cand])[0])
+            if self._after_round([c for _, _, c in opened] + list(decided.values())):
+                for q in queues.values():  # proposals made against the old champion
+                    q.clear()
+                exhausted.clear()
+
+    def _after_round(self, cands: list[dict[str, Any]]) -> bool:
+        """Patience after a round (each candidate decided once counts once); True when the
+        champion moved."""
+        seen: dict[int, dict[str, Any]] = {c["id"]: c for c in cands}
+        moved = False
+        for cand in sorted(seen.values(), key=lambda c: c["seq"]):
+            if cand["decision"] == "accept":
+                self.since_gain, moved = 0, True
+            else:
+                self.since_gain += 1
+        return moved
+
+    def _fill_round(
+        self, queues: dict[str, deque[Proposal]], exhausted: set[str]
+    ) -> list[tuple[Proposer, Proposal, dict[str, Any]]]:
+        """Up to `per_job` proposals, each written as a candidate at once (so the next
+        proposer sees it pending and does not propose it again); those refused before any
+        job (a duplicate, a stack that does not plan) are decided already."""
+        opened = []
+        while len(opened) < self.s.per_job:
+            picked = self._next_proposal(queues, exhausted)
+            if picked is None:
+                break
+            proposer, proposal = picked
+            opened.append((proposer, proposal, self._open_candidate(proposer.name, proposal)))
+        return opened
+
+    def _next_proposal(
+        self, queues: dict[str, deque[Proposal]], exhausted: set[str]
+    ) -> tuple[Proposer, Proposal] | None:
+        """The next proposal, asking the proposers in turn; None when none has any."""
+        proposers = self.s.proposers
+        for i in range(len(proposers)):
+            proposer = proposers[(self.turn + i) % len(proposers)]
+            queue = queues[proposer.name]
+            if not queue and proposer.name not in exhausted:
+                queue.extend(self._ask(proposer, exhausted))
+            if queue:
+                self.turn = (self.turn + i + 1) % len(proposers)
+                return proposer, queue.popleft()
+        return None
+
+    def _ask(self, proposer: Proposer, exhausted: set[str]) -> list[Proposal]:
+        try:
+            proposals = proposer.propose(self._state(), PROPOSALS_PER_ASK)
+            if not isinstance(proposals, list) or not all(
+                isinstance(p, Proposal) for p in proposals
+            ):
+                raise ProposerError(f"propose() returned {type(proposals).__name__}, not Proposals")
+        except Exception as exc:  # a crashing plugin is ledgered; the others go on
+            self._proposer_failed(proposer.name, exc)
+            if self.failures[proposer.name] >= PROPOSER_FAILURES:
+                exhausted.add(proposer.name)
+            return []
+        self.failures[proposer.name] = 0
+        if not proposals:
+            exhausted.add(proposer.name)  # until the champion moves
+        return proposals
+
+    def _state(self) -> Any:
+        row = self.s.store.get_exploration(self.id)
+        return state.build_state(row, row["candidates"], self.caps, self.techniques, self.profile)
+
+    # ------------------------------------------------------------------ one round
+
+    def _open_candidate(self, proposer: str, proposal: Proposal) -> dict[str, Any]:
+        """Write the candidate; dedup it and plan it alone before anything is submitted.
+        Returns it `open` with its identity, or decided (a duplicate or a refusal)."""
+        spec = jobs.canonical(proposal.stack, self.s.stock)
+        cand = self.s.store.add_candidate(
+            self.id,
+            proposer=proposer,
+            change=proposal.change,
+            proposal_reason=proposal.reason,
+            parent_name=self.champion.name,
+            parent_hash=self.champion.content_hash(),
+            stack_name=spec.name,
+            stack_hash=spec.content_hash(),
+            spec=spec.model_dump(mode="json"),
+        )
+        self.s.say(f"#{cand['seq']} {proposer} {proposal.change}: {spec.name}")
+        for other, what in ((self.champion, "the champion"), (self.s.stock, "stock")):
+            if jobs.same(spec, other):
+                why = f"is {what} ({other.name}), measured in every job: not submitted"
+                return self._decide(cand, Step("dedup", "duplicate", why))
+        return self._identify(cand, spec)
+
+    def _identify(self, cand: dict[str, Any], spec: StackSpec) -> dict[str, Any]:
+        """Plan `spec` alone in a dev job: refused if it does not plan; its identity (the
+        stack in the dev setting, whatever phase it starts in) dedups it."""
+        try:
+            job = self._plan([spec], "dev", cand["seq"])
+        except (StackError, ConfigError, ValueError) as exc:  # before anything is submitted
+            return self._decide(cand, Step("plan", "error", f"does not plan: {exc}", "refused"))
+        identity = jobs.candidate_identity(job, spec, self.hardware)
+        earlier = self._same_identity(identity, cand["id"])
+        if earlier is not None:
+            state_ = earlier["decision"] or "in this round"
+            why = (
+                f"same stack, code, protocol and hardware as #{earlier['seq']} "
+                f"({state_}): not submitted"
+            )
+            return self._decide(cand, Step("dedup", "duplicate", why))
+        self.s.store.update_candidate(cand["id"], identity=identity)
+        return cand | {"identity": identity}
+
+    def _round(self, cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Take open candidates through dev -> fresh -> gate together: one job per phase for
+        all that are there (each starts where its journal says). Returns them decided."""
+        done: list[dict[str, Any]] = []
+        live = list(cands)
+        winners: list[dict[str, Any]] = []
+        for phase in ("dev", "fresh"):
+            group = [c for c in live if _next_phase(c) == phase]
+            if phase == "fresh":
+                group = self._fresh_group(group, winners, done)
+                ids = {c["id"] for c in live}
+                live += [c for c in group if c["id"] not in ids]  # the combination, if any
+            if not group:
+                continue
+            if phase == "fresh" and (why := self._spent()):
+                done += [self._not_run(c, phase, why) for c in group]
+                live = [c for c in live if c not in group]
+                continue
+            for cand, step in zip(group, self._measure(group, phase), strict=True):
+                cand = self._record_step(cand, step)
+                live = [cand if c["id"] == cand["id"] else c for c in live]
+                if step.decision not in NEXT_PHASE:
+                    done.append(self._decide(cand, step, recorded=True))
+                elif phase == "dev":
+                    winners.append(cand)
+            live = [c for c in live if c["id"] not in {d["id"] for d in done}]
+        return done + self._gate_round([c for c in live if _next_phase(c) == "gate"])
+
+    def _fresh_group(
+        self,
+        group: list[dict[str, Any]],
+        winners: list[dict[str, Any]],
+        done: list[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The round's fresh job: every dev winner (best first) and, when two or more won,
+        the winners combined (if that combination is new): at most `per_job` + 1 stacks.
+        None is left out: a winner's identity is taken once it is measured, so a winner
+        not remeasured now would never be."""
+        best = sorted(group, key=_vs_parent, reverse=True)
+        union = self._combine(winners) if len(winners) >= 2 else None
+        if union is not None and union["status"] != "open":
+            done.append(union)  # a duplicate of something measured: decided, not run
+            union = None
+        return ([union] if union is not None else []) + best
+
+    def _combine(self, winners: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The champion with every dev winner's change, where they fit together (a slot
+        two of them fill goes to the faster): the loop's own candidate, straight to fresh."""
+        picked = sorted(winners, key=_vs_parent, reverse=True)
+        stack = jobs.combine(self.champion, [StackSpec.model_validate(c["spec"]) for c in picked])
+        specs = [StackSpec.model_validate(c["spec"]) for c in picked]
+        if stack is None or any(jobs.same(stack, s) for s in [self.champion, *specs]):
+            return None  # nothing fits, or the union is one of the winners already
+        used = [c for c, s in zip(picked, specs, strict=True) if jobs.covers(stack, s)]
+        if len(used) < 2:
+            return None  # one winner fits: it is measured on its own already
+        change = " ".join(c["change"] for c in used)
+        why = (
+            f"dev winners {', '.join('#' + str(c['seq']) for c in used)} together: each "
+            "cleared the bar alone; the fresh job says whether they add up"
+        )
+        return self._open_candidate(COMBINE, Proposal(stack=stack, change=change, reason=why))
+
+    def _gate_round(self, cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The fresh winners through the gate, best first, until one is accepted; the rest
+        were measured against a champion that is no longer it and wait for the next round."""
+        done: list[dict[str, Any]] = []
+        accepted = None
+        for cand in sorted(cands, key=_vs_parent, reverse=True):
+            if accepted is not None:
+                why = (
+                    f"not gated: #{accepted['seq']} of its round was accepted first; its "
+                    "change is proposed again from the new champion"
+                )
+                done.append(self._not_run(cand, "gate", why, "superseded"))
+                continue
+            if why := self._spent(2):  # the gate: a remeasure and the holdout
+                done.append(self._not_run(cand, "gate", why))
+                continue
+            step = self._gate(cand)
+            cand = self._decide(self._record_step(cand, step), step, recorded=True)
+            done.append(cand)
+            if cand["decision"] == "accept":
+                accepted = cand
+                self._crown(cand)
+        return done
+
+    def _not_run(
+        self, cand: dict[str, Any], phase: str, why: str, decision: Decision | None = None
+    ) -> dict[str, Any]:
+        """A candidate sent to `phase` that does not run there: it keeps its last decision
+        (or `decision`), and the reason says why it went no further."""
+        last = cand["steps"][-1]
+        step = Step(
+            "budget" if why.startswith("budget") else "round",
+            decision or last["decision"],
+            f"sent to {phase}, not run: {why}",
+            None,
+            last["quality_path"],
+        )
+        return self._decide(cand, step)
+
+    def _measure(self, group: list[dict[str, Any]], phase: str) -> list[Step]:
+        """One job of `group` (dev or fresh) and a decision for each. A job the journal says
+        was in flight when a session died is recovered, not measured again."""
+        specs = [StackSpec.model_validate(c["spec"]) for c in group]
+        outcome = self._recover(group, phase)
+        if outcome is None:
+            try:
+                job = self._plan(specs, phase, min(c["seq"] for c in group))
+            except (StackError, ConfigError, ValueError) as exc:
+                return [Step(phase, "error", f"does not plan: {exc}", "refused")] * len(group)
+            for cand in group:
+                self._journal(cand, phase, job.job_id)
+            outcome = self._submit(Submission(job, force=phase == jobs.FRESH))
+        return [self._judge(c, s, phase, outcome) for c, s in zip(group, specs, strict=True)]
+
+    def _judge(self, cand: dict[str, Any], spec: StackSpec, phase: str, out: Outcome) -> Step:
+        if out.result is None:
+            return Step(phase, "error", out.error or f"run {out.status}", run_id=out.run_id)
+        by = {r.stack.name: r for r in out.result.results}
+        stock = by[self.s.stock.name]
+        parent, mine = by.get(self.champion.name, stock), by[spec.name]
+        comparison = out.comparisons.get(spec.name, {})
+        invalid = guards.invalid_reasons(mine, stock, comparison, Path(out.result.job.output_dir))
+        step = judge_measured(
+            phase,
+            mine,
+            parent,
+            stock,
+            self.s.protocol,
+            invalid=invalid,
+            noisy=metrics.run_noise(list(out.comparisons.items())),
+            random_weights=self.random_weights,
+            change=cand["change"],
+        )
+        if phase == "dev":
+            self.profile = state.profile_of(parent) or self.profile
+        numbers = step.numbers | headline_numbers(comparison)
+        return replace(step, run_id=out.run_id, numbers=numbers)
+
+    def _gate(self, cand: dict[str, Any]) -> Step:
+        """The phase gate (research.gate.run_gate): the only place the holdout opens."""
+        from orchestrate.research.gate import run_gate
+
+        if cand["phase"] == "gate":  # a session died in this gate: what became of it
+            return self._regate(cand)
+        self._journal(cand, "gate", None)
+        spec = StackSpec.model_validate(cand["spec"])
+        started, report = time.monotonic(), None
+        try:
+            report = run_gate(
+                self.s.store,
+                candidate=spec,
+                model=self.s.model,
+                dev=self.s.dev,
+                protocol=self.s.protocol,
+                runs_dir=self.s.runs_dir,
+                track=self.s.track,
+                holdout_file=self.s.holdout_file,
+                on_event=self.s.on_event,
+            )
+            step = judge_gate(report)
+        except (ProtocolError, HoldoutError, StackError, ScoringError, HoldoutLeak) as exc:
+            step = Step("gate", "error", f"the gate failed: {exc}")
+        ran = 1 + bool(report and report.get("holdout_run"))  # its remeasure, its holdout
+        self._count_jobs(ran, time.monotonic() - started)
+        return step
+
+    def _regate(self, cand: dict[str, Any]) -> Step:
+        """A gate a killed session was in: gate again only if the holdout was not opened
+        for it (re-opening it would flag the stack as re-submitted, by design)."""
+        spec_hash = StackSpec.model_validate(cand["spec"]).content_hash()
+        since = cand["phase_started_at"]
+        audits = [
+            a
+            for a in self.s.store.list_holdout_audits(self.s.dev.name)
+            if a["stack_hash"] == spec_hash and since is not None and a["opened_at"] >= since
+        ]
+        if not audits:
+            return self._gate(cand | {"phase": None})
+        audit = audits[-1]
+        if audit["status"] in ("accept", "retain"):
+            stored = decide.run_headline(self.s.store, audit["run_id"], spec_hash)
+            why = f"the gate decided {audit['status']} before the session died"
+            why += f" (holdout audit #{audit['id']})"
+            numbers = headline_numbers(stored)
+            return Step("gate", audit["status"], why, None, None, numbers, audit["run_id"])
+        return Step(
+            "gate",
+            "error",
+            f"the session died in its gate after the holdout was opened (audit #{audit['id']}, "
+            f"{audit['status']}); opening it again would flag the stack, so it is not re-gated",
+        )
+
+    # -------------------------------------------------------------------- submitting
+
+    def _plan(self, specs: list[StackSpec], phase: str, draw: int) -> JobSpec:
+        """A job of stock, the champion (the candidates' parent: the champion moves only
+        between rounds) and `specs`. A fresh job's seeds are drawn from `draw` (the lowest
+        candidate number in it: every fresh job gets seeds no other job had)."""
+        workload = (
+            jobs.dev_workload(self.s.dev)
+            if phase == "dev"
+            else jobs.fresh_workload(self.s.dev, self.s.protocol, draw)
+        )
+        stacks = jobs.job_stacks(self.s.stock, self.champion, specs)
+        job = jobs.plan(
+            self.s.model,
+            workload,
+            stacks,
+            self.s.protocol,
+            self.s.runs_dir,
+            self.s.fidelity_steps,
+        )
+        # Per-slot times of the champion, for a proposer that reads the profile (`profile`);
+        # measured after the timed rounds, so the headline is the same either way.
+        wants = phase == "dev" and any(p.name == "profile" for p in self.s.proposers)
+        return job.model_copy(update={"profile_slots": True}) if wants else job
+
+    def _submit(self, submission: Submission) -> Outcome:
+        started = time.monotonic()
+        (outcome,) = self.s.submitter.submit([submission])
+        self._count_jobs(1, time.monotonic() - started)
+        return outcome
+
+    def _count_jobs(self, n: int, seconds: float) -> None:
+        self.jobs += n
+        self.job_seconds += [seconds / max(n, 1)] * n
+        self.s.store.update_exploration(self.id, jobs=self.jobs, elapsed_s=self._elapsed())
+
+    def _recover(self, group: list[dict[str, Any]], phase: str) -> Outcome | None:
+        """What became of the job `group` was in when a session died (all of it journaled
+        in that one job): its recorded result, the interrupted run resumed
+        (runner.plan_resume: what it measured is kept), or None (measure it afresh)."""
+        job_ids = {c["job_id"] for c in group if c["phase"] == phase}
+        if len(job_ids) != 1 or None in job_ids or any(c["phase"] != phase for c in group):
+            return None
+        (job_id,) = job_ids
+        run = self.s.store.run_of_job(job_id)
+        if run is None:
+            return None
+        seqs = ", ".join(f"#{c['seq']}" for c in group)
+        if run["status"] == "INTERRUPTED":
+            try:
+                job, folder = plan_resume(self.s.store, run["id"])
+            except ResumeRefused as exc:
+                self.s.say(f"{seqs}: measuring again ({exc})")
+                return None
+            for cand in group:
+                self._journal(cand, phase, job.job_id)
+            self.s.say(f"{seqs}: resuming run {run['id'][:12]}")
+            return self._submit(Submission(job, force=True, recordings_from=folder))
+        if run["status"] == "RUNNING":
+            return None  # reconciled runs are never RUNNING; one of another host: redo
+        try:
+            result = self.s.store.get_result(run["id"])
+        except LookupError:
+            result = None
+        if result is None:  # a worker that died outright: the run says why
+            error = self.s.store.get_run(run["id"], utterances=False).get("error")
+            return Outcome(run["id"], "FAILED", None, {}, None, error=error)
+        return Outcome(run["id"], result.status, result, comparisons(result), None)
+
+    # --------------------------------------------------------------------- the journal
+
+    def _journal(self, cand: dict[str, Any], phase: str, job_id: str | None) -> None:
+        """Before a job starts: which phase and job the candidate is in (for --resume)."""
+        fields: dict[str, Any] = {"phase": phase, "job_id": job_id}
+        if cand.get("phase") != phase:
+            fields["phase_started_at"] = utcnow()
+        self.s.store.update_candidate(cand["id"], **fields)
+        cand.update(fields)
+
+    def _record_step(self, cand: dict[str, Any], step: Step) -> dict[str, Any]:
+        steps = [*cand["steps"], step.to_dict()]
+        runs = [*cand["run_ids"], *step.other_runs, *([step.run_id] if step.run_id else [])]
+        self.s.store.update_candidate(cand["id"], steps=steps, run_ids=runs)
+        if step.phase in ("dev", "fresh", "gate"):
+            self.s.say(f"#{cand['seq']} {step.phase}: {step.decision}: {step.reason}")
+        return cand | {"steps": steps, "run_ids": runs}
+
+    def _decide(self, cand: dict[str, Any], step: Step, recorded: bool = False) -> dict[str, Any]:
+        """The candidate's final decision: its row `decided`, a rejection in the failures
+        ledger (the gate ledgers its own), its runs nested under the exploration in MLflow."""
+        if not recorded:
+            cand = self._record_step(cand, step)
+        numbers = _best_numbers(cand["steps"])
+        fields = {
+            "status": "decided",
+            "decision": step.decision,
+            "reason": step.reason,
+            "quality_path": step.quality_path or _last(cand["steps"], "quality_path"),
+            "phase": None,
+            "job_id": None,
+            **{k: numbers.get(k) for k in _NUMBER_COLUMNS},
+        }
+        self.s.store.update_candidate(cand["id"], **fields)
+        cand = cand | fields
+        if step.cause:
+            who = f"exploration {self.id[:8]} #{cand['seq']} ({cand['proposer']} {cand['change']})"
+            self.s.store.record_failure(
+                cand["stack_name"], step.cause, f"{who}: {step.reason}", step.run_id
+            )
+        if step.phase in ("plan", "dedup"):
+            self.s.say(f"#{cand['seq']} {step.decision}: {step.reason}")
+        if self.s.track and self.mlflow_id:
+            self._nest(cand)
+        self.s.store.update_exploration(self.id, elapsed_s=self._elapsed())
+        return cand
+
+    def _nest(self, cand: dict[str, Any]) -> None:
+        runs = []
+        for run_id in cand["run_ids"]:
+            try:
+                runs.append(self.s.store.get_run(run_id, utterances=False)["mlflow_run_id"])
+            except LookupError:
+                continue
+        tags = {
+            "exploration_id": self.id,
+            "candidate": str(cand["seq"]),
+            "candidate_stack": cand["stack_name"] or "",
+            "candidate_decision": cand["decision"],
+        }
+        self._warn(tracking.nest(self.mlflow_id, runs, tags))
+
+    def _proposer_failed(self, name: str, exc: BaseException) -> None:
+        """A crash, timeout or malformed output: ledgered, and the exploration goes on."""
+        self.failures[name] = self.failures.get(name, 0) + 1
+        why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ProposerError) else str(exc)
+        cand = self.s.store.add_candidate(
+            self.id,
+            proposer=name,
+            change="(proposer failed)",
+            proposal_reason="",
+            parent_name=self.champion.name,
+            parent_hash=self.champion.content_hash(),
+        )
+        self.since_gain += 1  # a failing proposer spends patience: it cannot loop forever
+        self._decide(cand, Step("proposer", "error", f"proposer {name} failed: {why}", "other"))
+        self.s.say(f"#{cand['seq']} proposer {name} failed: {why}")
+
+    def _crown(self, cand: dict[str, Any]) -> None:
+        self.champion = StackSpec.model_validate(cand["spec"])
+        self.profile = {}  # the old champion's; the next job measures the new one
+        self.s.store.update_exploration(
+            self.id,
+            champion=cand["spec"],
+            champion_headline=cand["headline"],
+            champion_lo=cand["headline_lo"],
+            champion_hi=cand["headline_hi"],
+        )
+        self.s.say(f"champion: {self.champion.name} ({_headline_text(cand)} vs stock)")
+
+    # --------------------------------------------------------------------- resuming
+
+    def _finish_open(self) -> list[dict[str, Any]]:
+        """Carry the open candidates of a killed session on from where their journals stop,
+        as one round; returns them decided."""
+        live = []
+        for cand in self.s.store.list_candidates(self.id):
+            if cand["status"] != "open":
+                continue
+            self.s.say(f"#{cand['seq']}: resuming at {cand['phase'] or 'its start'}")
+            if cand["spec"] is None:  # a proposer failure is written decided at once
+                self._decide(cand, Step("proposer", "error", "interrupted before it was recorded"))
+            elif not cand["identity"]:  # killed before it was planned
+                spec = StackSpec.model_validate(cand["spec"])
+                cand = self._identify(cand, spec)
+                if cand["status"] == "open":
+                    live.append(cand)
+            elif _next_phase(cand) is None:  # killed between its last step and its row
+                last = cand["steps"][-1]
+                self._decide(cand, Step(**last), recorded=True)
+            else:
+                live.append(cand)
+        return self._round(live) if live else []
+
+    # ---------------------------------------------------------------------- stopping
+
+    def _same_identity(self, identity: str, other_than: int) -> dict[str, Any] | None:
+        """An earlier candidate with this identity: decided, or open in this round."""
+        return next(
+            (
+                c
+                for c in self.s.store.list_candidates(self.id)
+                if c["identity"] == identity and c["id"] != other_than
+            ),
+            None,
+        )
+
+    def _target_reached(self) -> str | None:
+        row = self.s.store.get_exploration(self.id)
+        headline = row["champion_headline"]
+        if self.s.target is None or headline is None or headline < self.s.target:
+            return None
+        champion = f"{self.champion.name} at {headline:.2f}x"
+        return f"target reached: champion {champion} >= {self.s.target:g}x (paired, vs stock)"
+
+    def _elapsed(self) -> float:
+        return self.elapsed0 + (time.monotonic() - self.t0)
+
+    def _spent(self, needs: int = 1) -> str | None:
+        per_job = statistics.fmean(self.job_seconds) if self.job_seconds else None
+        return self.s.budget.spent(self._elapsed(), self.jobs, per_job, needs)
+
+    def _stop(self, why: str) -> str:
+        self.close("FINISHED", why)
+        return why
+
+    def close(self, status: str, why: str) -> None:
+        """End this session: FINISHED with its stop reason, or INTERRUPTED (resumable)."""
+        self.s.store.update_exploration(
+            self.id, status=status, stop_reason=why, ended_at=utcnow(), elapsed_s=self._elapsed()
+        )
+        if self.s.track:
+            row = self.s.store.get_exploration(self.id)
+            self._warn(tracking.finish(self.mlflow_id, row, status))
+        self.s.say(f"stopped: {why}")
+
+    def _warn(self, warning: str | None) -> None:
+        if warning:
+            self.s.warnings.append(warning)
+
+
+_NUMBER_COLUMNS = (
+    "headline",
+    "headline_lo",
+    "headline_hi",
+    "vs_parent",
+    "vs_parent_lo",
+    "vs_parent_hi",
+)
+
+
+def _best_numbers(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """The numbers a candidate is remembered by: each from the latest step that has it (the
+    gate's holdout headline over the remeasure's, the remeasure's over the dev job's)."""
+    out: dict[str, float] = {}
+    for step in steps:
+        out.update(step.get("numbers") or {})
+    return out
+
+
+def _last(steps: list[dict[str, Any]], key: str) -> Any:
+    return next((s[key] for s in reversed(steps) if s.get(key)), None)
+
+
+def _next_phase(cand: dict[str, Any]) -> str | None:
+    """Where an open candidate goes next: the phase its journal says was in flight (unless
+    that phase's step is recorded), the phase its last decision sent it to, its first (dev;
+    fresh for a combination), or None (its last step decided it: only its row was not)."""
+    last = cand["steps"][-1] if cand["steps"] else None
+    if cand["phase"] and not (last and last["phase"] == cand["phase"]):
+        return str(cand["phase"])
+    if last is not None:
+        return NEXT_PHASE.get(last["decision"])
+    return "fresh" if cand["proposer"] == COMBINE else "dev"
+
+
+def _vs_parent(cand: dict[str, Any]) -> float:
+    """The candidate's latest measured speedup over its parent (0 when none)."""
+    return float(_best_numbers(cand["steps"]).get("vs_parent") or 0.0)
+
+
+def _since_gain(candidates: list[dict[str, Any]]) -> int:
+    """Decided candidates since the last accept (patience carries over a resume)."""
+    n = 0
+    for c in candidates:
+        if c["status"] != "decided":
+            continue
+        n = 0 if c["decision"] == "accept" else n + 1
+    return n
+
+
+def _headline_text(cand: dict[str, Any]) -> str:
+    if cand.get("headline") is None:
+        return "headline not measured"
+    lo, hi = cand.get("headline_lo"), cand.get("headline_hi")
+    ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
+    return f"{cand['headline']:.2f}x{ci}"

@@ -1,0 +1,112 @@
+"""What proposers are shown: the exploration's state as plain data (api.proposer's
+ExplorationState), built from its candidate rows, the technique catalogue and the device.
+
+Nothing here reads a holdout or hands out the store: a proposer sees dev measurements,
+decisions and reasons, and the catalogue, which is also all an external agent gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrate.api.config import StackSpec
+from orchestrate.api.proposer import ExplorationState, Tried
+from orchestrate.api.records import StackResult
+from orchestrate.api.registry import catalogue
+from orchestrate.api.technique import DeviceCaps
+
+PROFILE_PREFIX = "slot_ms."  # per-slot time of a stack, where the worker measured it
+
+
+def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
+    """This family's usable techniques, as proposers read them."""
+    return {
+        name: {
+            "summary": cls.summary,
+            "exact": cls.exact,
+            "version": cls.version,
+            "slots": list(cls.slots),
+            "wraps": list(cls.wraps),
+            "requires": list(cls.requires),
+            "after": list(cls.after),
+            "conflicts": list(cls.conflicts),
+            "params_schema": cls.Params.model_json_schema(),
+        }
+        for name, cls in sorted(catalogue().techniques.items())
+        if cls.family == family
+    }
+
+
+def device_caps(device: str, techniques: dict[str, dict[str, Any]]) -> list[str]:
+    """The requirements named by `techniques` that this device meets ("cuda", "sm90",
+    "package:triton", ...), plus the device kind."""
+    probe = DeviceCaps.probe(device)
+    wanted = sorted({r for meta in techniques.values() for r in meta["requires"]})
+    met = [r for r in wanted if _met(probe, r)]
+    return sorted({probe.kind, *met})
+
+
+def _met(probe: DeviceCaps, requirement: str) -> bool:
+    try:
+        return probe.missing(requirement) is None
+    except ValueError:  # a requirement this version does not know: not met
+        return False
+
+
+def profile_of(result: StackResult | None) -> dict[str, float]:
+    """slot -> ms per step of a stack, from its `slot_ms.*` metrics ({} when unmeasured)."""
+    if result is None:
+        return {}
+    return {
+        key.removeprefix(PROFILE_PREFIX): value
+        for key, value in result.metrics.items()
+        if key.startswith(PROFILE_PREFIX)
+    }
+
+
+def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:
+    """Decided candidates that named a stack, as proposers see them (oldest first)."""
+    out = []
+    for c in candidates:
+        if c["status"] != "decided" or c["spec"] is None:
+            continue
+        out.append(
+            Tried(
+                stack=StackSpec.model_validate(c["spec"]),
+                change=c["change"],
+                proposer=c["proposer"],
+                decision=c["decision"],
+                reason=c["reason"] or "",
+                headline=c["headline"],
+                headline_lo=c["headline_lo"],
+                headline_hi=c["headline_hi"],
+            )
+        )
+    return out
+
+
+def build_state(
+    exploration: dict[str, Any],
+    candidates: list[dict[str, Any]],
+    caps: list[str],
+    techniques: dict[str, dict[str, Any]],
+    profile: dict[str, float],
+) -> ExplorationState:
+    """The state of `exploration` (a store row) for its proposers."""
+    return ExplorationState(
+        family=exploration["family"],
+        device=exploration["model"]["device"],
+        device_caps=caps,
+        champion=StackSpec.model_validate(exploration["champion"]),
+        champion_headline=exploration["champion_headline"],
+        root=StackSpec.model_validate(exploration["root"]),
+        min_speedup=exploration["protocol"]["speed"]["min_speedup"],
+        catalogue=techniques,
+        tried=tried_of(candidates),
+        profile=profile,
+        pending=[
+            StackSpec.model_validate(c["spec"])
+            for c in candidates
+            if c["status"] == "open" and c["spec"] is not None
+        ],
+    )

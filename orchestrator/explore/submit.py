@@ -1,0 +1,79 @@
+"""How an exploration's jobs reach a worker: the seam a queue of GPU workers plugs into.
+
+The loop hands a `Submitter` planned jobs and gets one recorded `Outcome` per job back, in
+order; it never starts a worker itself. `LocalSubmitter` runs them one after another in a
+worker subprocess here (runner.execute). A queue of GPU hosts would implement the same two
+members: `slots` (jobs it can run at once) and `submit` (block until every job of the list
+is recorded, its result in the store), and the loop would not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrate.api.records import JobSpec
+from orchestrate.research import decide
+from orchestrate.running.runner import Outcome, comparisons, execute
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A job to run. `force`: measure it even when the identical experiment is recorded
+    (fresh-seed remeasures always measure). `recordings_from`: for a job that resumes an
+    interrupted run (runner.plan_resume), the old run's folder, whose WAVs it keeps."""
+
+    job: JobSpec
+    force: bool = False
+    recordings_from: Path | None = None
+
+
+class Submitter(Protocol):
+    slots: int  # jobs it runs at once
+
+    def submit(self, jobs: list[Submission]) -> list[Outcome]:
+        """Run `jobs` and record each; one Outcome per job, in order, each with its result
+        (also when the identical experiment was recorded before and served back)."""
+        ...
+
+
+class LocalSubmitter:
+    """One worker subprocess on this machine, one job at a time."""
+
+    slots = 1
+
+    def __init__(
+        self,
+        store: Any,
+        runs_dir: Path,
+        *,
+        track: bool,
+        on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+    ) -> None:
+        self.store, self.runs_dir, self.track, self.on_event = store, runs_dir, track, on_event
+
+    def submit(self, jobs: list[Submission]) -> list[Outcome]:
+        return [self._one(s) for s in jobs]
+
+    def _one(self, s: Submission) -> Outcome:
+        run = lambda force: execute(  # noqa: E731
+            s.job,
+            self.store,
+            self.runs_dir,
+            track=self.track,
+            force=force,
+            on_event=self.on_event,
+            recordings_from=s.recordings_from,
+        )
+        outcome = run(s.force)
+        if not outcome.reused:
+            return outcome
+        # A recorded identical experiment: its result, unless it was timed on other hardware
+        # (job identities name code and protocol, not the device).
+        result = self.store.get_result(outcome.run_id)
+        if decide.hardware_key(result.environment) != decide.local_hardware(s.job.model.device):
+            return run(True)
+        outcome.result, outcome.comparisons = result, comparisons(result)
+        return outcome

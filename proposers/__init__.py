@@ -1,0 +1,1 @@
+"""Built-in proposer plugins for `orchestrate explore` (entry-point group orchestrate.proposers)."""

@@ -1,0 +1,918 @@
+"""`orchestrate explore`: budgets, guards, decisions, the loop's stop rules, dedup and resume,
+proposer plugins (ladder, ablation, a scripted agent, crashing and malformed ones), bad input,
+and two real explorations of the tiny model on the CPU (one killed mid-way and resumed).
+
+The loop tests run the real loop and store against a fake Submitter whose synthetic results
+make each technique a chosen factor faster, and a fake gate: seconds each, deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from factories import run_cli as cli
+from factories import stack_result
+
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.proposer import ExplorationState, Proposal, Proposer, ProposerError
+from orchestrate.api.protocol import Gate, MetricDef, Protocol, QualitySpec, SpeedRule
+from orchestrate.api.records import (
+    EnvironmentInfo,
+    FidelityRecord,
+    JobSpec,
+    ResultRecord,
+    StackResult,
+)
+from orchestrate.api.registry import get, job_identity
+from orchestrate.explore import decisions, guards, jobs, state
+from orchestrate.explore.budget import Budget, BudgetError, parse_budget
+from orchestrate.explore.loop import Explorer, Setup
+from orchestrate.explore.submit import Submission
+from orchestrate.proposers.ablation import Ablation
+from orchestrate.proposers.agent import Agent
+from orchestrate.proposers.ladder import Ladder
+from orchestrate.research import decide
+from orchestrate.running.runner import Outcome, comparisons
+from orchestrate.store.store import Store
+
+STOCK = StackSpec(name="stock", description="The stock engine: no techniques.")
+WORKLOAD = Workload(
+    name="xq",
+    prompts=[Prompt(id=f"p{i}", text=f"Prompt number {i}.") for i in range(4)],
+    seeds=[42, 43],
+    warmups=0,
+)
+FIDELITY_METRICS = {
+    "clipped_fraction": MetricDef(source="integrity", value="clipped_fraction", better="lower"),
+    "fidelity_topk": MetricDef(source="fidelity", value="topk_agreement", better="higher"),
+}
+
+
+def protocol(fidelity_gate: bool = False, min_speedup: float = 1.05) -> Protocol:
+    gates = [Gate(metric="clipped_fraction", max_value=0.01)]
+    if fidelity_gate:
+        gates.append(Gate(metric="fidelity_topk", min_value=0.9))
+    quality = QualitySpec(
+        scorers={"integrity": "integrity"}, metrics=FIDELITY_METRICS, gates=gates, noise_gated=[]
+    )
+    return Protocol(
+        name="explore-test",
+        quality=quality,
+        speed=SpeedRule(min_speedup=min_speedup, resamples=200, origin="manual"),
+    )
+
+
+def fidelity(within: bool = True, topk: float = 1.0) -> FidelityRecord:
+    return FidelityRecord(
+        steps=8,
+        max_abs_logit_diff=0.0,
+        mean_kl=0.0,
+        max_kl=0.0,
+        top1_agreement=topk,
+        topk_agreement=topk,
+        within_tolerance=within,
+        tolerance=1e-4,
+    )
+
+
+# -------------------------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds", "jobs"),
+    [
+        ("2h", 7200, None),
+        ("30m", 1800, None),
+        ("1h30m", 5400, None),
+        ("90s", 90, None),
+        ("200 jobs", None, 200),
+        ("200jobs", None, 200),
+        ("1 job", None, 1),
+        ("2h, 200 jobs", 7200, 200),
+    ],
+)
+def test_budgets_read_time_jobs_or_both(text: str, seconds: float, jobs: int) -> None:
+    assert parse_budget(text) == Budget(seconds, jobs)
+
+
+@pytest.mark.parametrize("text", ["0", "0h", "0 jobs", "0m", "soon", "", "-1h", "2 days"])
+def test_a_budget_of_zero_or_nonsense_is_refused(text: str) -> None:
+    with pytest.raises(BudgetError):
+        parse_budget(text)
+
+
+def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:
+    budget = Budget(seconds=600, jobs=10)
+    assert budget.spent(100, 3, next_job_s=60) is None
+    assert "3 of 3 jobs" in Budget(jobs=3).spent(0, 3)
+    assert "budget spent" in budget.spent(601, 3)
+    assert "a job takes about" in budget.spent(560, 3, next_job_s=60)  # 560 + 60 > 600
+    assert "the next step needs 2" in Budget(jobs=3).spent(0, 2, needs=2)  # the gate's two
+
+
+# -------------------------------------------------------------------------------- guards
+
+
+def test_guards_refuse_floor_beating_unfaithful_and_input_independent_results() -> None:
+    spec = StackSpec(name="fast", techniques=[TechniqueRef(name="audio_head")])
+    stock, fast = stack_result(STOCK, 1.0), stack_result(spec, 0.5)
+    assert guards.invalid_reasons(fast, stock, {}) == []  # both constant: nothing to say
+    beyond = fast.model_copy(update={"metrics": fast.metrics | {"fraction_of_floor": 3.0}})
+    assert "faster than the physical floor" in guards.invalid_reasons(beyond, stock, {})[0]
+    assert guards.invalid_reasons(fast, stock, {"exactness_failed": 1.0})
+    flagged = fast.model_copy(update={"invalid": "12.0 GB/s over a 5.0 GB/s floor"})
+    assert guards.invalid_reasons(flagged, stock, {}) == [
+        "flagged by the worker: 12.0 GB/s over a 5.0 GB/s floor"
+    ]
+    # stock's audio differs by seed (peaks differ); the candidate's is the same for every seed
+    varied = [u.model_copy(update={"peak_abs": 0.1 + u.seed / 100}) for u in stock.utterances]
+    stock_varied = stock.model_copy(update={"utterances": varied})
+    reasons = guards.invalid_reasons(fast, stock_varied, {})
+    assert reasons == [
+        "audio does not depend on its seed: identical output for different seeds, where "
+        "stock's differs"
+    ]
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def judge(cand: StackResult, parent: StackResult, phase: str = "dev", **kw: Any) -> Any:
+    args = {"invalid": [], "noisy": [], "random_weights": True, "change": "+x"} | kw
+    p = args.pop("protocol", protocol())
+    return decisions.judge_measured(phase, cand, parent, parent, p, **args)
+
+
+def test_decisions_follow_speed_beyond_the_noise_bar_and_the_quality_path() -> None:
+    exact = StackSpec(name="fast", techniques=[TechniqueRef(name="audio_head")])
+    stock = stack_result(STOCK, 1.0)
+    fast = stack_result(exact, 0.6).model_copy(update={"fidelity": fidelity()})
+    step = judge(fast, stock)
+    assert step.decision == "remeasure" and step.quality_path == decisions.EXACT
+    assert step.numbers["vs_parent"] == pytest.approx(1 / 0.6)
+    assert judge(fast, stock, phase="fresh").decision == "gate"
+    slower = judge(stack_result(exact, 1.3).model_copy(update={"fidelity": fidelity()}), stock)
+    assert (slower.decision, slower.cause) == ("drop", "slower")
+    marginal = stack_result(exact, 1 / 1.03, jitter=0.05, seed=3)
+    noisy_bar = judge(marginal.model_copy(update={"fidelity": fidelity()}), stock)
+    assert (noisy_bar.decision, noisy_bar.cause) == ("drop", decide.NOISE_BAR)
+    crashed = fast.model_copy(update={"status": "failed", "error": "boom", "utterances": []})
+    assert judge(crashed, stock).decision == "error"
+    assert judge(fast, stock, invalid=["faster than the floor"]).decision == "invalid"
+    fresh_noisy = judge(fast, stock, phase="fresh", noisy=["spread 3x"])
+    assert (fresh_noisy.decision, fresh_noisy.cause) == ("drop", "slower")
+    # a noisy dev job settles nothing: maybe faster goes to fresh seeds, clearly slower drops
+    wide = stack_result(exact, 1 / 1.03, jitter=0.3, seed=3).model_copy(
+        update={"fidelity": fidelity()}
+    )
+    assert judge(wide, stock).decision == "drop"
+    assert judge(wide, stock, noisy=["spread 1.7x"]).decision == "remeasure"
+    slow_noisy = judge(
+        stack_result(exact, 1.5).model_copy(update={"fidelity": fidelity()}), stock, noisy=["x"]
+    )
+    assert slow_noisy.decision == "drop" and "noisy run" in slow_noisy.reason
+    # exact but never measured: on random weights nothing can vouch for it
+    unmeasured = judge(stack_result(exact, 0.6), stock)
+    assert unmeasured.decision == "drop" and "not measured" in unmeasured.reason
+
+
+def test_approximate_stacks_pass_random_weights_only_through_fidelity_thresholds() -> None:
+    approx = StackSpec(name="cb", techniques=[TechniqueRef(name="codebook_head")])
+    stock = stack_result(STOCK, 1.0).model_copy(update={"fidelity": fidelity()})
+    cand = stack_result(approx, 0.5).model_copy(
+        update={"exact": False, "fidelity": fidelity(False, 0.95)}
+    )
+    no_thresholds = judge(cand, stock)
+    assert (
+        no_thresholds.decision == "drop" and "sets no fidelity thresholds" in no_thresholds.reason
+    )
+    held = judge(cand, stock, protocol=protocol(fidelity_gate=True))
+    assert held.decision == "remeasure" and held.quality_path == decisions.FIDELITY
+    off = cand.model_copy(update={"fidelity": fidelity(False, 0.5)})
+    broken = judge(off, stock, protocol=protocol(fidelity_gate=True))
+    assert (broken.decision, broken.cause) == ("drop", "gate")
+    assert "fidelity_topk" in broken.reason
+    real = judge(cand, stock, random_weights=False)  # real weights: the gate's scorers judge
+    assert real.decision == "remeasure" and real.quality_path == decisions.QUALITY
+
+
+def test_ablation_says_whether_the_left_out_technique_pays() -> None:
+    spec = StackSpec(name="less", techniques=[TechniqueRef(name="audio_head")])
+    same = judge(
+        stack_result(spec, 1.0, jitter=0.02, seed=4).model_copy(update={"fidelity": fidelity()}),
+        stack_result(STOCK, 1.0, jitter=0.02, seed=5),
+        change="-static_kv_cache",
+    )
+    assert same.decision == "drop" and "static_kv_cache does not pay" in same.reason
+
+
+# ---------------------------------------------------------------- the loop, faked workers
+
+# Time of a stack = product of its techniques' factors (stock 1.0).
+FACTORS = {
+    "static_kv_cache": 0.7,
+    "packed_projections": 0.8,
+    "audio_head": 1.0,
+    "codebook_head": 0.5,
+    "hf_generate_static": 1.2,
+}
+
+
+class FakeSubmitter:
+    """Records a synthetic result per job in the store, as a worker and execute would."""
+
+    slots = 1
+
+    def __init__(self, store: Store, floor: dict[str, float] | None = None) -> None:
+        self.store, self.floor, self.jobs = store, floor or {}, []
+
+    def submit(self, subs: list[Submission]) -> list[Outcome]:
+        return [self.one(s.job) for s in subs]
+
+    def one(self, job: JobSpec) -> Outcome:
+        self.jobs.append(job)
+        results = [self.stack(spec) for spec in job.stacks]
+        t0 = datetime(2026, 1, 2, tzinfo=UTC)
+        env = EnvironmentInfo(
+            hostname="h",
+            platform="Linux",
+            python="3.11",
+            torch="2.9",
+            transformers="5.0",
+            device_name=decide.local_hardware("cpu"),
+            cpu_count=2,
+            model_config_hash="abc",
+        )
+        result = ResultRecord(
+            job=job,
+            status="finished",
+            started_at=t0,
+            finished_at=t0 + timedelta(seconds=9),
+            environment=env,
+            results=results,
+        )
+        comps = comparisons(result)
+        run_id = self.store.begin_run(job, job_identity(job))
+        self.store.finish_run(run_id, result, comps)
+        return Outcome(run_id, result.status, result, comps, None)
+
+    def stack(self, spec: StackSpec) -> StackResult:
+        names = [t.name for t in spec.techniques]
+        scale = 1.0
+        for n in names:
+            scale *= FACTORS.get(n, 1.0)
+        exact = all(get(n).exact for n in names)
+        sr = stack_result(spec, scale)
+        metrics_ = sr.metrics | {"fraction_of_floor": self.floor.get(spec.name, 0.1)}
+        return sr.model_copy(
+            update={
+                "exact": exact,
+                "fidelity": fidelity(exact, 1.0 if exact else 0.95),
+                "metrics": metrics_,
+            }
+        )
+
+
+def fake_gate(accept: bool = True) -> Any:
+    def run_gate(store: Any, *, candidate: StackSpec, **kw: Any) -> dict[str, Any]:
+        run_gate.calls.append(candidate.name)
+        verdict = "accept" if accept else "retain"
+        return {
+            "verdict": {
+                "verdict": verdict,
+                "reasons": [f"fake gate: {verdict}"],
+                "quality": "not meaningful: random weights",
+            },
+            "record": {
+                "headline": {
+                    "speedup_paired": 1.4,
+                    "speedup_paired_lo": 1.3,
+                    "speedup_paired_hi": 1.5,
+                }
+            },
+            "remeasure_run": None,
+            "holdout_run": None,
+        }
+
+    run_gate.calls = []  # type: ignore[attr-defined]
+    return run_gate
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    with Store(f"sqlite:///{tmp_path / 'o.db'}") as s:
+        yield s
+
+
+def explorer(
+    store: Store,
+    tmp_path: Path,
+    proposers: list[Proposer],
+    submitter: Any = None,
+    budget: str = "50 jobs",
+    patience: int = 6,
+    proto: Protocol | None = None,
+    exploration_id: str | None = None,
+    target: float | None = None,
+    per_job: int = 4,
+) -> Explorer:
+    proto = proto or protocol()
+    model = ModelSpec(preset="tiny")
+    if exploration_id is None:
+        exploration_id = store.begin_exploration(
+            family="rumik",
+            model=model.model_dump(mode="json"),
+            workload_name=WORKLOAD.name,
+            workload=WORKLOAD.model_dump(mode="json"),
+            hardware=decide.local_hardware("cpu"),
+            protocol_hash=proto.content_hash(),
+            protocol=proto.model_dump(mode="json"),
+            root=STOCK.model_dump(mode="json"),
+            champion=STOCK.model_dump(mode="json"),
+            options={"budget": budget},
+        )
+    setup = Setup(
+        store=store,
+        model=model,
+        dev=WORKLOAD,
+        protocol=proto,
+        stock=STOCK,
+        proposers=proposers,
+        budget=parse_budget(budget),
+        patience=patience,
+        submitter=submitter or FakeSubmitter(store),
+        runs_dir=tmp_path / "runs",
+        track=False,
+        target=target,
+        per_job=per_job,
+    )
+    return Explorer(setup, exploration_id)
+
+
+class Scripted(Proposer):
+    """Proposes the stacks it is given, in order, once each; then nothing."""
+
+    name = "scripted"
+
+    def __init__(self, stacks: list[list[Any]], name: str = "scripted") -> None:
+        super().__init__()
+        self.name, self.stacks, self.seen = name, list(stacks), []  # type: ignore[misc]
+
+    def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
+        out = []
+        while self.stacks and len(out) < n:
+            refs = [
+                TechniqueRef(**t) if isinstance(t, dict) else TechniqueRef(name=t)
+                for t in self.stacks.pop(0)
+            ]
+            out.append(Proposal(StackSpec(name=f"s{len(out)}", techniques=refs), "+?", "test"))
+        return out
+
+    def observe(self, proposal: Proposal, tried: Any) -> None:
+        self.seen.append(tried.decision)
+
+
+class Crashing(Proposer):
+    name = "crashing"
+
+    def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
+        raise RuntimeError("the proposer fell over")
+
+
+def test_the_ladder_climbs_through_remeasure_and_gate_and_records_every_decision(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = fake_gate()
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", gate)
+    ex = explorer(store, tmp_path, [Ladder(), Ablation()])
+    why = ex.run()
+    row = store.get_exploration(ex.id)
+    by_change = {c["change"]: c for c in row["candidates"]}
+    # round 1: the ladder's first four rungs measured together in one dev job
+    first, packed = row["candidates"][0], row["candidates"][1]
+    assert first["change"] == "+static_kv_cache"
+    assert packed["change"] == "+packed_projections (with static_kv_cache)"
+    # both clear dev and fresh; the faster (0.7 x 0.8) is gated first and accepted
+    assert [s["phase"] for s in packed["steps"]] == ["dev", "fresh", "gate"]
+    assert [s["decision"] for s in packed["steps"]] == ["remeasure", "gate", "accept"]
+    assert packed["vs_parent"] == pytest.approx(1 / 0.56) and packed["headline"] == 1.4
+    # its round-mate, measured against the old champion, is superseded, never gated
+    assert first["decision"] == "superseded" and "#2 of its round was accepted" in first["reason"]
+    assert gate.calls[0] == packed["stack_name"] and first["stack_name"] not in gate.calls
+    assert row["champion"]["techniques"] == [
+        {"name": "static_kv_cache", "params": get("static_kv_cache").Params().model_dump()},
+        {"name": "packed_projections", "params": get("packed_projections").Params().model_dump()},
+    ]
+    # audio_head (no gain here) is dropped, with the ledger's cause
+    assert by_change["+audio_head"]["decision"] == "drop"
+    # the approximate codebook head is faster but cannot be judged on random weights
+    cb = by_change["+codebook_head"]
+    assert cb["decision"] == "drop" and "sets no fidelity thresholds" in cb["reason"]
+    assert all(c["status"] == "decided" and c["reason"] for c in row["candidates"])
+    assert row["status"] == "FINISHED" and row["stop_reason"] == why
+    assert "exhausted" in why or "patience" in why
+    ledger = {f["stack_name"]: f for f in store.list_failures()}
+    assert ledger[cb["stack_name"]]["cause"] == "gate"
+    assert ledger[by_change["+audio_head"]["stack_name"]]["cause"] == "slower"
+    assert first["stack_name"] not in ledger  # superseded is no failure
+    # one dev job per round, its fresh job after it; fresh seeds never the workload's
+    names = [j.workload.name for j in ex.s.submitter.jobs]
+    assert names == ["xq", "xq@fresh", "xq"]
+    assert [len(j.stacks) for j in ex.s.submitter.jobs] == [5, 3, 5]
+    fresh = [j for j in ex.s.submitter.jobs if j.workload.name == "xq@fresh"]
+    assert all(not set(j.workload.seeds) & {42, 43} for j in fresh)
+    # every job holds stock, then the champion (once there is one), then the candidates
+    assert all(j.stacks[0].name == "stock" for j in ex.s.submitter.jobs)
+    assert ex.s.submitter.jobs[2].stacks[1].name == packed["stack_name"]
+
+
+def test_dev_winners_that_fit_together_are_remeasured_combined(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two exact changes in different slots that each pay alone (audio_head made to pay
+    # 0.8x here): the loop remeasures them together as a candidate of its own.
+    monkeypatch.setitem(FACTORS, "audio_head", 0.8)
+    gate = fake_gate()
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", gate)
+    ex = explorer(store, tmp_path, [Scripted([["static_kv_cache"], ["audio_head"]])])
+    ex.run()
+    cands = store.list_candidates(ex.id)
+    union = next(c for c in cands if c["proposer"] == "combine")
+    assert [t["name"] for t in union["spec"]["techniques"]] == ["static_kv_cache", "audio_head"]
+    assert union["change"] == "+? +?" and "#1, #2 together" in union["proposal_reason"]
+    assert [s["phase"] for s in union["steps"]] == ["fresh", "gate"]  # straight to fresh
+    assert union["vs_parent"] == pytest.approx(1 / 0.56) and union["decision"] == "accept"
+    assert gate.calls == [union["stack_name"]]  # the faster, gated first
+    alone = [c for c in cands if c["proposer"] == "scripted"]
+    assert [c["decision"] for c in alone] == ["superseded", "superseded"]
+    fresh = ex.s.submitter.jobs[1]
+    assert fresh.workload.name == "xq@fresh" and len(fresh.stacks) == 4  # stock, union, 2
+
+
+def test_dedup_happens_before_submitting_whatever_the_name(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    sub = FakeSubmitter(store)
+    params = get("audio_head").Params().model_dump()
+    proposer = Scripted([["audio_head"], [{"name": "audio_head", "params": params}], []])
+    ex = explorer(store, tmp_path, [proposer], sub)
+    ex.run()
+    decided = [c["decision"] for c in store.list_candidates(ex.id)]
+    assert decided == ["drop", "duplicate", "duplicate"]  # the last one is stock itself
+    assert len(sub.jobs) == 1  # the duplicates never reached a worker
+    assert proposer.seen == decided
+
+
+def test_a_crashing_proposer_is_ledgered_and_the_others_go_on(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    ex = explorer(store, tmp_path, [Crashing(), Scripted([["audio_head"]])], patience=10)
+    why = ex.run()
+    rows = store.list_candidates(ex.id)
+    crashes = [c for c in rows if c["proposer"] == "crashing"]
+    assert len(crashes) == 2  # asked again once, then left out
+    assert all(c["decision"] == "error" and "fell over" in c["reason"] for c in crashes)
+    assert any(c["proposer"] == "scripted" and c["decision"] == "drop" for c in rows)
+    assert "every proposer is exhausted" in why
+    assert sum("the proposer fell over" in f["detail"] for f in store.list_failures()) == 2
+
+
+def test_stops_on_patience_and_on_budget(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    slow = [["hf_generate_static"], ["audio_head"], ["codebook_head"]]
+    why = explorer(store, tmp_path, [Scripted(slow)], patience=2, per_job=1).run()
+    assert why.startswith("patience: 2 proposals in a row")
+    # patience is checked between rounds: a round of three that gains nothing counts three
+    why = explorer(store, tmp_path, [Scripted(slow)], patience=2, per_job=3).run()
+    assert why.startswith("patience: 3 proposals in a row")
+    ex = explorer(store, tmp_path, [Ladder()], budget="1 job")
+    why = ex.run()
+    assert why == "budget spent: 1 of 1 jobs"
+    cands = store.list_candidates(ex.id)  # one dev job for the round; no remeasure after it
+    assert len(cands) == 4 and len(ex.s.submitter.jobs) == 1
+    sent = [c for c in cands if c["decision"] == "remeasure"]
+    assert sent and all("budget spent" in c["reason"] for c in sent)
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=True))
+    ex = explorer(store, tmp_path, [Ladder()], target=1.3, per_job=1)  # the fake gate: 1.4x
+    assert ex.run().startswith("target reached: champion static_kv_cache-")
+    assert [c["decision"] for c in store.list_candidates(ex.id)] == ["accept"]
+
+
+def test_a_result_faster_than_its_floor_is_invalid(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = fake_gate()
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", gate)
+    sub = FakeSubmitter(
+        store,
+        floor={
+            jobs.canonical(
+                StackSpec(name="x", techniques=[TechniqueRef(name="static_kv_cache")]), STOCK
+            ).name: 4.0
+        },
+    )
+    ex = explorer(store, tmp_path, [Scripted([["static_kv_cache"]])], sub)
+    ex.run()
+    (cand,) = store.list_candidates(ex.id)
+    assert cand["decision"] == "invalid" and "physical floor" in cand["reason"]
+    assert gate.calls == []  # never gated, never champion
+
+
+def test_resume_uses_the_recorded_job_and_measures_nothing_twice(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    first = explorer(store, tmp_path, [Scripted([["audio_head"]])])
+    # a session that died with its dev job recorded but not yet judged
+    spec = jobs.canonical(StackSpec(name="x", techniques=[TechniqueRef(name="audio_head")]), STOCK)
+    job = first._plan([spec], "dev", 1)
+    cand = store.add_candidate(
+        first.id,
+        proposer="scripted",
+        change="+audio_head",
+        proposal_reason="",
+        stack_name=spec.name,
+        stack_hash=spec.content_hash(),
+        spec=spec.model_dump(mode="json"),
+        identity=jobs.candidate_identity(job, spec, first.hardware),
+        phase="dev",
+        job_id=job.job_id,
+    )
+    FakeSubmitter(store).one(job)  # what the dead session's worker recorded
+    store.update_exploration(first.id, status="INTERRUPTED")
+    sub = FakeSubmitter(store)
+    resumed = explorer(store, tmp_path, [Scripted([["audio_head"]])], sub, exploration_id=first.id)
+    resumed.run()
+    rows = store.list_candidates(first.id)
+    assert rows[0]["id"] == cand["id"] and rows[0]["decision"] == "drop"
+    assert rows[0]["run_ids"] == [store.run_of_job(job.job_id)["id"]]
+    assert rows[1]["decision"] == "duplicate"  # proposed again after the resume: not run
+    assert sub.jobs == []
+
+
+# ------------------------------------------------------------------------------ proposers
+
+
+def test_ladder_and_ablation_walk_the_technique_graph() -> None:
+    cat = state.technique_catalogue("rumik")
+    caps = ["cpu"]
+    view = ExplorationState("rumik", "cpu", caps, STOCK, None, STOCK, 1.05, cat)
+    ladder = [p.change for p in Ladder().propose(view, 10)]
+    # exact first, then by slot (decoder before head); CUDA-only and `after`-bound ones wait
+    # a technique that needs another (`after`) brings it along from stock
+    assert ladder == [
+        "+static_kv_cache",
+        "+packed_projections (with static_kv_cache)",
+        "+audio_head",
+        "+codebook_head",
+        "+hf_generate_static",
+    ]
+    champion = StackSpec(name="c", techniques=[TechniqueRef(name="static_kv_cache")])
+    view = ExplorationState("rumik", "cpu", caps, champion, None, STOCK, 1.05, cat)
+    assert "+packed_projections" in [p.change for p in Ladder().propose(view, 10)]
+    cpu_fast = StackSpec(
+        name="cf",
+        techniques=[
+            TechniqueRef(name=n) for n in ("static_kv_cache", "packed_projections", "audio_head")
+        ],
+    )
+    view = ExplorationState("rumik", "cpu", caps, cpu_fast, None, STOCK, 1.05, cat)
+    ablated = {p.change: [t.name for t in p.stack.techniques] for p in Ablation().propose(view, 9)}
+    assert ablated == {
+        "-audio_head": ["static_kv_cache", "packed_projections"],
+        "-packed_projections": ["static_kv_cache", "audio_head"],
+        "-static_kv_cache": ["audio_head"],  # packed_projections needs it: it goes too
+    }
+
+
+AGENT = """\
+import json, os, sys
+state = json.load(sys.stdin)
+open(sys.argv[1], "w").write(json.dumps({"state": state, "n": os.environ["ORCHESTRATE_PROPOSALS"]}))
+mode = sys.argv[2]
+if mode == "crash":
+    sys.exit("agent: out of ideas and out of luck")
+if mode == "hang":
+    import time; time.sleep(30)
+if mode == "garbage":
+    print("I think you should try the audio head!")
+elif mode == "shape":
+    print(json.dumps({"techniques": ["audio_head"]}))
+else:
+    champion = [t["name"] for t in state["champion"]["techniques"]]
+    print(json.dumps([{"techniques": champion + ["audio_head"], "change": "+audio_head",
+                       "reason": "the head is 277k rows"}]))
+"""
+
+
+def test_a_scripted_agent_reads_the_state_and_its_faults_are_proposer_errors(
+    tmp_path: Path,
+) -> None:
+    script, seen = tmp_path / "agent.py", tmp_path / "seen.json"
+    script.write_text(AGENT)
+    cat = state.technique_catalogue("rumik")
+    view = ExplorationState("rumik", "cpu", ["cpu"], STOCK, None, STOCK, 1.05, cat)
+
+    def agent(mode: str, timeout: float = 20) -> Agent:
+        return Agent({"cmd": f"{sys.executable} {script} {seen} {mode}", "timeout": timeout})
+
+    (proposal,) = agent("ok").propose(view, 3)
+    assert [t.name for t in proposal.stack.techniques] == ["audio_head"]
+    assert proposal.change == "+audio_head" and "277k" in proposal.reason
+    got = json.loads(seen.read_text())
+    assert got["n"] == "3" and got["state"] == json.loads(json.dumps(view.to_json()))
+    assert "audio_head" in got["state"]["catalogue"]
+    for mode, message in [
+        ("crash", "exited with status 1: agent: out of ideas"),
+        ("garbage", "not JSON"),
+        ("shape", "must be a JSON list"),
+    ]:
+        with pytest.raises(ProposerError, match=message):
+            agent(mode).propose(view, 3)
+    with pytest.raises(ProposerError, match="timed out after 1 s"):
+        agent("hang", timeout=1).propose(view, 3)
+    with pytest.raises(ProposerError, match="--agent-cmd"):
+        Agent().propose(view, 1)
+
+
+def test_a_malformed_agent_is_ledgered_in_the_exploration_which_goes_on(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    bad = Agent({"cmd": f"{sys.executable} {script} {tmp_path / 's.json'} garbage"})
+    ex = explorer(store, tmp_path, [bad, Scripted([["audio_head"]])])
+    ex.run()
+    rows = store.list_candidates(ex.id)
+    assert [c["proposer"] for c in rows if c["decision"] == "error"] == ["agent", "agent"]
+    assert "not JSON" in rows[0]["reason"] and rows[0]["spec"] is None
+    assert any(c["proposer"] == "scripted" for c in rows)
+
+
+def test_broken_proposer_plugins_are_listed_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    from orchestrate.explore import plugins
+
+    fake = [
+        EntryPoint("ladder", "orchestrate.proposers.ladder:Ladder", plugins.PROPOSERS),
+        EntryPoint("gone", "no_such_module_here:Gone", plugins.PROPOSERS),
+        EntryPoint("misnamed", "orchestrate.proposers.ladder:Ladder", plugins.PROPOSERS),
+    ]
+    monkeypatch.setattr(plugins, "entry_points", lambda group: fake)
+    plugins.proposer_catalogue.cache_clear()
+    try:
+        cat = plugins.proposer_catalogue()
+        assert set(cat.proposers) == {"ladder"}
+        assert "ModuleNotFoundError" in cat.broken["gone"].error
+        assert "named 'ladder'" in cat.broken["misnamed"].error
+        with pytest.raises(plugins.BadProposer, match="broken"):
+            plugins.load_proposers(["gone"], {})
+        with pytest.raises(plugins.BadProposer, match="unknown proposer 'nope'"):
+            plugins.load_proposers(["nope"], {})
+    finally:
+        plugins.proposer_catalogue.cache_clear()
+
+
+# ----------------------------------------------------------------------- the CLI, bad input
+
+CPU_WORKLOAD = """\
+name: {name}
+prompts:
+  - {{id: a, text: "The morning train was late again, so I walked to the office."}}
+  - {{id: b, text: "Please remember to water the plants before you leave."}}
+seeds: {seeds}
+warmups: {warmups}
+length_policy: {{mode: fixed, frames: {frames}}}
+save_audio: 1
+"""
+HOLDOUT = """\
+sealed_holdout:
+  for_workload: {name}
+  prompts:
+  - {{id: h1, text: "Every evening the old dog waits by the gate for the children."}}
+  - {{id: h2, text: "He packed a warm coat because the forecast promised snow."}}
+"""
+PROTOCOL = """\
+name: explore-test
+version: 1
+quality:
+  scorers: {integrity: integrity}
+  metrics:
+    clipped_fraction: {source: integrity, value: clipped_fraction, better: lower}
+    fidelity_mean_kl: {source: fidelity, value: mean_kl, better: lower}
+    fidelity_topk: {source: fidelity, value: topk_agreement, better: higher}
+  gates:
+  - {metric: clipped_fraction, max_value: 0.01}
+  - {metric: fidelity_topk, min_value: 0.9}
+  noise_gated: []
+speed:
+  min_speedup: 1.025  # the bar `noise` derives from paired A/A CIs on a CPU (README)
+  origin: manual
+"""
+
+
+def files(
+    tmp_path: Path,
+    name: str = "xcpu",
+    frames: int = 128,
+    seeds: str = "[42, 43, 44]",
+    warmups: int = 2,
+) -> dict[str, str]:
+    wl = CPU_WORKLOAD.format(name=name, frames=frames, seeds=seeds, warmups=warmups)
+    (tmp_path / "wl.yaml").write_text(wl)
+    (tmp_path / "holdout.yaml").write_text(HOLDOUT.format(name=name))
+    (tmp_path / "protocol.yaml").write_text(PROTOCOL)
+    return {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'o.db'}",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+COMMON = ["--workload", "wl.yaml", "--protocol", "protocol.yaml", "--holdout", "holdout.yaml"]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = files(tmp_path)
+    (tmp_path / "empty.yaml").write_text("name: empty\nprompts: []\n")
+    (tmp_path / "clash.yaml").write_text(
+        "name: clash\ntechniques: [{name: audio_head}, {name: codebook_head}]\n"
+    )
+    cases = [
+        (["--proposer", "oracle"], "unknown proposer 'oracle'; known: "),
+        (["--budget", "0 jobs"], "budget '0 jobs' is zero"),
+        (["--budget", "0h"], "is zero: nothing would be measured"),
+        (["--workload", "empty.yaml"], "workload 'empty.yaml' has no development prompts"),
+        (["--workload", "holdout.yaml"], "workload 'holdout.yaml' has no development prompts"),
+        (
+            ["--from", "clash.yaml"],
+            "--from clash.yaml: techniques 'audio_head' and 'codebook_head'",
+        ),
+        (["--resume", "zzz"], "no exploration with id 'zzz' or starting with it"),
+        (["--resume", "zzz", "--patience", "3"], "drop --patience"),
+    ]
+    for extra, message in cases:
+        args = ["explore", *COMMON, "--no-mlflow", *extra]
+        if "--resume" in extra:
+            args = ["explore", "--no-mlflow", *extra]
+        if "--workload" in extra:
+            args = ["explore", *COMMON[2:], "--no-mlflow", *extra]
+        out = cli(args, env, tmp_path)
+        assert out.returncode == 2, (extra, out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (extra, out.stderr)
+    with Store(env["ORCHESTRATE_DB_URL"]) as store:
+        assert store.list_explorations() == [] and store.list_runs() == []
+
+
+# ----------------------------------------------------------- real explorations on the CPU
+
+
+def _summary(env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    out = cli(["explorations", "--json"], env, cwd)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    return row
+
+
+@pytest.mark.slow
+def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Path) -> None:
+    """From stock, the ladder's first round holds the static KV cache alone and with packed
+    projections (measured on 2 cores: 1.21x / 1.38x at 32 frames a clip, 1.47x / 1.59x at
+    384; the gain grows with length, as stock's dynamic cache does). At 192 frames the
+    faster must climb dev -> fresh seeds -> the gate in four jobs and be accepted at >= 1.3x
+    (the holdout's paired headline), every decision recorded."""
+    env = files(tmp_path, frames=192, seeds="[42, 43]", warmups=1)
+    started = time.monotonic()
+    out = cli(
+        [
+            "explore",
+            *COMMON,
+            "--budget",
+            "9m, 8 jobs",
+            "--target",
+            "1.3",
+            "--proposer",
+            "ladder",
+            "--no-mlflow",
+            "--json",
+        ],
+        env,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - started < 600
+    row = json.loads(out.stdout)
+    assert row["status"] == "FINISHED" and row["stop_reason"]
+    assert row["champion_headline"] >= 1.3, out.stderr
+    accepted = [c for c in row["candidates"] if c["decision"] == "accept"]
+    assert accepted and accepted[0]["quality_path"] == decisions.EXACT
+    assert [s["phase"] for s in accepted[0]["steps"]][-2:] == ["fresh", "gate"]
+    assert row["jobs"] <= 4  # one round: dev, fresh, the gate's remeasure and its holdout
+    for c in row["candidates"]:  # every decision, with its reason and its numbers
+        assert c["status"] == "decided" and c["reason"] and c["steps"]
+        assert all(s["reason"] for s in c["steps"])
+    with Store(env["ORCHESTRATE_DB_URL"]) as store:
+        champ = decide.current_champion(
+            store, "rumik", "tiny:float32", "xcpu", decide.local_hardware("cpu")
+        )
+        assert champ["stack_name"] == row["champion"]["name"]
+        audits = store.list_holdout_audits("xcpu")
+        assert [a["stack_name"] for a in audits] == [
+            c["stack_name"] for c in row["candidates"] if c["decision"] in ("accept", "retain")
+        ]
+
+
+@pytest.mark.slow
+def test_a_killed_exploration_resumes_without_measuring_anything_twice(tmp_path: Path) -> None:
+    env = files(tmp_path, name="xkill", frames=8)
+    args = [
+        "explore",
+        *COMMON,
+        "--budget",
+        "5 jobs",
+        "--proposer",
+        "ladder",
+        "--fidelity-steps",
+        "4",
+        "--no-mlflow",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrate.cli", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = env["ORCHESTRATE_DB_URL"]
+    deadline = time.monotonic() + 300
+    decided: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and proc.poll() is None and not decided:
+        time.sleep(0.5)
+        with Store(url) as store:
+            found = store.list_explorations()
+            if found:
+                decided = [
+                    c
+                    for c in store.get_exploration(found[0]["id"])["candidates"]
+                    if c["status"] == "decided"
+                ]
+    assert proc.poll() is None, proc.communicate()
+    assert decided, "no candidate was decided in time"
+    time.sleep(2)  # into the next candidate's job
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with Store(url) as store:
+        (before,) = store.list_explorations()
+        runs_before = {r["id"] for r in store.list_runs(limit=100)}
+        cut_short = [
+            c for c in store.get_exploration(before["id"])["candidates"] if c["status"] == "open"
+        ]
+    assert before["status"] == "INTERRUPTED"  # its process is gone: reconciled
+    # killed in the middle of one job: its round's open candidates are all journaled in it
+    assert cut_short and len({c["job_id"] for c in cut_short}) == 1 and cut_short[0]["job_id"]
+    out = cli(["explore", "--resume", before["id"][:8], "--no-mlflow", "--json"], env, tmp_path)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["status"] == "FINISHED" and row["jobs"] <= 5
+    assert all(c["status"] == "decided" for c in row["candidates"])
+    for cut_cand in cut_short:  # each finished where it stopped, not re-proposed
+        again = next(c for c in row["candidates"] if c["id"] == cut_cand["id"])
+        assert again["decision"] and again["seq"] == cut_cand["seq"]
+    first = next(c for c in row["candidates"] if c["id"] == decided[0]["id"])
+    assert (first["decision"], first["run_ids"]) == (decided[0]["decision"], decided[0]["run_ids"])
+    assert set(first["run_ids"]) <= runs_before  # decided before the kill: not run again
+    with Store(url) as store:
+        runs = [store.get_run(r["id"], utterances=False) for r in store.list_runs(limit=100)]
+    # nothing measured twice: one finished run per (workload phase, stacks); a run the kill
+    # cut short is continued by exactly one run that resumes it (keeping what it measured)
+    finished = [
+        (r["workload_name"], tuple(s["name"] for s in r["stacks"]))
+        for r in runs
+        if r["status"] == "FINISHED"
+    ]
+    assert len(finished) == len(set(finished)), finished
+    cut = [r["id"] for r in runs if r["status"] == "INTERRUPTED"]
+    assert sorted(r["resumed_from"] for r in runs if r["resumed_from"]) == sorted(cut)
+    for c in row["candidates"]:  # each phase of a candidate judged once
+        phases = [s["phase"] for s in c["steps"] if s["phase"] in ("dev", "fresh")]
+        assert len(phases) == len(set(phases)), c
