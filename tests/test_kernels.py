@@ -62,8 +62,8 @@ with _interpreter(not CUDA and IN_PROCESS):
     require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
-        ep, gemv, attn, samp, rn, g6 = (_load(n) for n in ("epilogue",
-            "int8_gemv", "decode_attention", "sampler", "rope_norm", "int6_gemv"))  # fmt: skip
+        ep, gemv, attn, samp, rn, g6, sw = (_load(n) for n in ("epilogue", "int8_gemv",
+            "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu"))  # fmt: skip
     else:  # only the subprocess test below runs; names still needed at collection
         ep = importlib.import_module(_KERNELS + "epilogue")
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
@@ -169,7 +169,7 @@ def test_int8_linear_split_k_is_deterministic_and_rearms() -> None:
     first = gemv.int8_linear(x, q, scale, config=cfg)
     for _ in range(2):  # as graph replays would
         assert torch.equal(gemv.int8_linear(x, q, scale, config=cfg), first)
-    assert int(ep.SEMAPHORES[str(x.device)].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[(str(x.device), "gemv")].abs().sum()) == 0
 
 
 def test_int8_linear_vector_input_and_default_config() -> None:
@@ -239,7 +239,7 @@ def test_int6_linear_split_k_deterministic_and_rejects_unsupported() -> None:
     assert first.shape == (48,)
     for _ in range(2):  # as graph replays would
         assert torch.equal(g6.int6_linear(x, packed, scale, config=cfg), first)
-    assert int(ep.SEMAPHORES[str(x.device)].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[(str(x.device), "gemv")].abs().sum()) == 0
     with pytest.raises(ValueError, match="one row"):
         g6.int6_linear(randn(2, 384), packed, scale)
     with pytest.raises(ValueError, match="K=32"):
@@ -313,6 +313,24 @@ def test_decode_attention_gqa_groups() -> None:
     k, v = big_k[:, :64], big_v[:, :64]
     out = attn.decode_attention(q, k, v, dev_int(50, torch.int64), num_splits=2, block_s=16)
     assert rel_err(out, attn.decode_attention_ref(q, k, v, 50)) < 1e-5
+
+
+@pytest.mark.parametrize("length,window,splits", [c for c in ATTN_CASES if c[2] > 1])
+def test_decode_attention_fused_reduce_and_length_offset(
+    length: int, window: int, splits: int
+) -> None:
+    """The merge inside the split launch gives the two-kernel result, the device length plus
+    length_offset is the length, and the launch leaves its counters re-armed."""
+    q = randn(1, 16, 128)
+    k, v = _kv(256, length, torch.float32)
+    kw = dict(window=window, num_splits=splits, block_s=16)
+    two = attn.decode_attention(q, k, v, dev_int(length), **kw)
+    for _ in range(2):  # the second launch finds the counters the first re-armed
+        one = attn.decode_attention(q, k, v, dev_int(length - 1), length_offset=1,
+                                    fused_reduce=True, **kw)  # fmt: skip
+        assert rel_err(one, two) < 1e-6
+    assert rel_err(one, attn.decode_attention_ref(q, k, v, length, window=window)) < 1e-5
+    assert int(ep.SEMAPHORES[(str(DEVICE), "attention")].abs().sum()) == 0
 
 
 def test_decode_attention_rejects_unsupported() -> None:
@@ -572,6 +590,16 @@ def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
     fused = _teacher_forced(model, ["static_kv_cache", "int8_projections", "fused_rope_norm"],
                             prompt, tokens[:8])  # fmt: skip
     assert rel_err(fused, plain) < 1e-5
+    # the same without the SwiGLU + pack kernel: that kernel is what the default adds
+    no_swiglu = _teacher_forced(model, ["static_kv_cache", "int8_projections", "fused_rope_norm"],
+                                prompt, tokens[:8], fused_rope_norm={"swiglu": False})
+    assert rel_err(no_swiglu, fused) < 1e-5
+    calls = []
+    monkeypatch.setattr(sw, "swiglu_cat", lambda *a, **k: calls.append(1) or sw.swiglu_cat_ref(
+        *a))  # fmt: skip
+    _teacher_forced(model, ["static_kv_cache", "int8_projections", "fused_rope_norm"], prompt,
+                    tokens[:2])  # fmt: skip
+    assert calls, "the decoder did not use swiglu_cat"
 
 
 def test_fused_rope_norm_refuses_unsupported() -> None:
@@ -616,6 +644,37 @@ def test_int6_projections_approximate_and_composes(fused_case, monkeypatch) -> N
                      ("static_kv_cache", "int8_projections", "int6_projections")])  # fmt: skip
     with pytest.raises(StackError, match="conflicts with 'int8_projections'"):
         build_stack(both)
+
+
+# --------------------------------------------------------------------------- SwiGLU + pack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_cat_matches_eager(dtype: torch.dtype) -> None:
+    """Column views of one packed projection output, as the decoder passes them."""
+    y = randn(1, 1, 96 + 2 * 1500, dtype=dtype, scale=3.0)
+    attn_row = randn(1, 1, 2048, dtype=dtype)
+    gate, up = y[..., 96:1596], y[..., 1596:]
+    out = sw.swiglu_cat(attn_row, gate, up)
+    ref = sw.swiglu_cat_ref(attn_row, gate, up)
+    assert out.shape == ref.shape == (1, 1, 2048 + 1500)
+    assert torch.equal(out[..., :2048], attn_row)  # the copy is exact
+    # fp32: the same maths; bf16: the interpreter truncates each of the two roundings (up to
+    # one bf16 ulp each), the GPU rounds to nearest as eager does (exp may differ in an ulp)
+    bound = 1e-6 if dtype == torch.float32 else (2e-3 if CUDA else tol(dtype))
+    assert rel_err(out[..., 2048:], ref[..., 2048:]) < bound
+
+
+def test_swiglu_cat_rejects_unsupported() -> None:
+    a, g = randn(1, 64), randn(1, 32)
+    with pytest.raises(ValueError, match="one row"):
+        sw.swiglu_cat(randn(2, 64), g, g)
+    with pytest.raises(ValueError, match="differ"):
+        sw.swiglu_cat(a, g, randn(1, 16))
+    with pytest.raises(ValueError, match="share a dtype"):
+        sw.swiglu_cat(a, g, g.half())
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        sw.swiglu_cat(a, randn(1, 64)[:, ::2], g)
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -667,3 +726,38 @@ def test_gpu_real_shapes_graphs_and_pdl() -> None:
     support = samp.top_k_probs_ref(logits) > 0
     assert all(bool(support[t]) for t in seen)
 
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_merge_and_swiglu_in_graph() -> None:
+    """Real shapes inside one captured graph: attention with its merge in the split launch,
+    the length read as position + 1 on the device, and the SwiGLU + pack kernel, with PDL."""
+    torch.manual_seed(1)
+    qa = randn(1, 16, 128, dtype=torch.bfloat16)
+    k, v = _kv(8192, 8192, torch.bfloat16)
+    position = dev_int(0)
+    out = torch.empty_like(qa)
+    y = randn(1, 1, 25088, dtype=torch.bfloat16, scale=3.0)
+    gate, up = y[..., 3072:14080], y[..., 14080:]
+    packed: list[torch.Tensor] = []
+    step = lambda: (  # noqa: E731
+        attn.decode_attention(qa, k, v, position, length_offset=1, window=4096, out=out,
+                              fused_reduce=True, launch_pdl=True),
+        packed.append(sw.swiglu_cat(out.view(1, 1, 2048), gate, up, launch_pdl=True)),
+    )  # fmt: skip
+    step()  # warm-up: compile and allocate the counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (1, 100, 4097, 8192):
+        position.fill_(n - 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, attn.decode_attention_ref(qa, k, v, n, window=4096)) < 1e-2
+        ref = sw.swiglu_cat_ref(out.view(1, 1, 2048), gate, up)
+        assert torch.equal(packed[-1][..., :2048], ref[..., :2048])
+        # eager rounds twice to nearest; the kernel too: all but ulp-level exp differences
+        same = (packed[-1] == ref).float().mean().item()
+        assert same > 0.99, same
+    assert int(ep.SEMAPHORES[(str(DEVICE), "attention")].abs().sum()) == 0

@@ -48,7 +48,7 @@ def test_pdl_sets_the_engine_launch_option_only(tiny_model):
     without = FAMILY.build_engine(tiny_model, build_stack(stack(*names)))
     eng = FAMILY.build_engine(tiny_model, build_stack(stack(*names, "pdl")))
     assert without.launch == LaunchOptions() and eng.launch == LaunchOptions(pdl=True)
-    assert eng.filled["launch"] == "pdl" and eng.decoder_class is FusedRopeNormDecoder
+    assert eng.filled["launch"] == "pdl" and eng.decoder_class.func is FusedRopeNormDecoder
     # the parts keep their own params; the engine option reaches them at call time
     assert eng.projections.pdl is False and eng.sampler.pdl is False
     assert eng.projections.launch_pdl is True and without.projections.launch_pdl is False

@@ -71,7 +71,9 @@ class DecoderClass(Protocol):
 class Projections(abc.ABC):
     """The `projections` slot. A projections object may also offer
     `output(i, attn, act)`: o_proj(attn) + down_proj(act) without the residual add, for a
-    decoder that fuses the add into its next norm."""
+    decoder that fuses the add into its next norm; and, where o_proj and down_proj are one
+    packed weight, `output_packed(i, attn_act)`: the same from the already concatenated
+    [attn, act] row, for a decoder that writes that row in one kernel."""
 
     @abc.abstractmethod
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:

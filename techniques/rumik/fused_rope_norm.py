@@ -12,7 +12,10 @@ Triton kernels of techniques/rumik/kernels/rope_norm.py:
 - one `add_layer_norm` per layer: the parallel block's residual add fused with the next
   layer's input norm (the final norm after the last layer), when the projections expose
   `output` (o_proj + down_proj without the add: packed, int8 and int6 do); otherwise the
-  projections add the residual and one `layer_norm` kernel follows.
+  projections add the residual and one `layer_norm` kernel follows;
+- with `swiglu` (the default), one `swiglu_cat` per layer where the projections take the
+  packed [attn, act] row (`output_packed`): silu(gate) * up written beside attn, instead of
+  three launches (silu, multiply, concatenate).
 
 The subclass goes in the engine's `decoder_class` slot, which static_kv_cache's factory
 builds; the PDL flag of its launches is the engine's `launch` option, read at each step.
@@ -23,8 +26,11 @@ the same fp32 maths, checked on teacher-forced logits against stock.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams, UnsupportedConfig
 from orchestrate.families.rumik.engine import Engine
@@ -52,10 +58,26 @@ def check_supported(hidden: int, hq: int, hkv: int, head_dim: int) -> None:
         )
 
 
-class FusedRopeNormDecoder(StaticDecoder):
-    """static_kv_cache's decoder with the decode step's glue in three kernels per layer."""
+class FusedRopeNormParams(TechniqueParams):
+    swiglu: bool = Field(
+        True,
+        description="silu(gate) * up and the packed [attn, act] row in one kernel "
+        "(where the projections take that row).",
+    )
 
-    def __init__(self, engine: Engine, max_seq_len: int, compile_mode: str | None):
+
+class FusedRopeNormDecoder(StaticDecoder):
+    """static_kv_cache's decoder with the decode step's glue in three kernels per layer
+    (two with `swiglu`: the activation joins the packed row's kernel)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_seq_len: int,
+        compile_mode: str | None,
+        *,
+        swiglu: bool = True,
+    ):
         if compile_mode:
             raise UnsupportedConfig(
                 "fused_rope_norm: static_kv_cache.compile must be false (Triton launches are "
@@ -69,6 +91,7 @@ class FusedRopeNormDecoder(StaticDecoder):
         self.sin_half = self.sin[:, ::2].contiguous()
         self.next_norm = [*self.norms[1:], self.final_norm]
         self.output = getattr(self.proj, "output", None)
+        self.output_packed = getattr(self.proj, "output_packed", None) if swiglu else None
         self.engine = engine  # its `launch` option is read at each decode step
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -77,6 +100,7 @@ class FusedRopeNormDecoder(StaticDecoder):
         if ids.shape[1] != 1:  # prefill: the unfused path over the whole prompt
             return super()._forward(ids, positions)
         from orchestrate.techniques.rumik.kernels import rope_norm as rn
+        from orchestrate.techniques.rumik.kernels.swiglu import swiglu_cat
 
         pdl, eps = self.engine.launch.pdl, self.eps
         x = F.embedding(ids, self.embed)
@@ -91,12 +115,14 @@ class FusedRopeNormDecoder(StaticDecoder):
             attn = self.attend(q.view(1, self.hq, 1, self.d), self.k[i], self.v[i], positions,
                                window)  # fmt: skip
             attn = attn.transpose(1, 2).reshape(1, 1, self.hq * self.d)
-            act = F.silu(gate) * up
-            if self.output is not None:
-                delta = self.output(i, attn, act)
+            if self.output_packed is not None:
+                delta = self.output_packed(i, swiglu_cat(attn, gate, up, launch_pdl=pdl))
+                xn, x = rn.add_layer_norm(delta, x, self.next_norm[i], eps, launch_pdl=pdl)
+            elif self.output is not None:
+                delta = self.output(i, attn, F.silu(gate) * up)
                 xn, x = rn.add_layer_norm(delta, x, self.next_norm[i], eps, launch_pdl=pdl)
             else:
-                x = self.proj.residual(i, x, attn, act)
+                x = self.proj.residual(i, x, attn, F.silu(gate) * up)
                 xn = rn.layer_norm(x, self.next_norm[i], eps, launch_pdl=pdl)
         return xn  # the last iteration applied the final norm
 
@@ -109,7 +135,11 @@ class FusedRopeNorm(Technique):
     wraps = ("decoder",)  # to check that it did
     requires = ("cuda", "package:triton")
     after = ("static_kv_cache",)
-    summary = "Triton (residual add +) LayerNorm and rotary + KV-cache write on decode steps."
+    summary = (
+        "Triton (residual add +) LayerNorm, rotary + KV-cache write and SwiGLU + packing on "
+        "decode steps."
+    )
+    Params = FusedRopeNormParams
 
     @classmethod
     def check_stack(
@@ -127,7 +157,8 @@ class FusedRopeNorm(Technique):
             engine.model.config.num_key_value_heads,
             engine.model.config.head_dim,
         )
-        engine.decoder_class = FusedRopeNormDecoder
+        p: FusedRopeNormParams = self.params  # type: ignore[assignment]
+        engine.decoder_class = functools.partial(FusedRopeNormDecoder, swiglu=p.swiglu)
         inner = engine.decoder_factory
 
         def factory(eng: Engine, need: int):

@@ -83,7 +83,11 @@ class QuantizedPacked(Projections):
 
     def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """o_proj(attn) + down_proj(act) without the residual add (a fused kernel adds it)."""
-        return self._linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+        return self.output_packed(i, torch.cat([attn, act], dim=-1))
+
+    def output_packed(self, i: int, attn_act: torch.Tensor) -> torch.Tensor:
+        """output() from the concatenated [attn, act] row."""
+        return self._linear(attn_act, self.w_out[i])
 
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor

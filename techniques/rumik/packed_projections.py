@@ -8,6 +8,8 @@ down_proj become one matmul over [attn, act]. Exact up to summation order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -53,8 +55,15 @@ class Packed(Projections):
     def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """o_proj(attn) + down_proj(act) without the residual add (a fused kernel adds it)."""
         if self.fuse_output:
-            return F.linear(torch.cat([attn, act], dim=-1), self.w_out[i])
+            return self.output_packed(i, torch.cat([attn, act], dim=-1))
         return F.linear(attn, self.w_o[i]) + F.linear(act, self.w_down[i])
+
+    @property
+    def output_packed(self) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+        """(i, [attn, act]) -> output, when o_proj and down_proj are one packed weight."""
+        if not self.fuse_output:
+            return None
+        return lambda i, attn_act: F.linear(attn_act, self.w_out[i])
 
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor

@@ -6,6 +6,7 @@ reference:
 - decode_attention: GQA flash-decoding with a device-side length (decode_attention)
 - sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
 - rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
+- swiglu: silu(gate) * up written beside attn, the packed o+down input (swiglu_cat)
 - epilogue: the GEMVs' shared per-channel scale + split-K epilogue (store_scaled) and its
   semaphore pool (split_k_semaphores)
 
@@ -38,6 +39,8 @@ _EXPORTS = {
     "add_layer_norm": "rope_norm",
     "rope_cos_sin": "rope_norm",
     "rope_and_cache_write": "rope_norm",
+    "swiglu_cat": "swiglu",
+    "swiglu_cat_ref": "swiglu",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,94 @@
+"""Sweep INT8 GEMV launch configs at the two decode shapes of Rumik OSS 1 on the GPU.
+
+    python benchmarks/gemv_sweep.py --out gemv_sweep.json
+
+For (25088 x 2048) (q,k,v,gate,up packed) and (2048 x 13056) (o+down packed): every config
+of int8_gemv.GEMV_CONFIGS plus the wider candidates below, each timed by tune_int8_linear
+(CUDA-graph replay over weight copies that exceed the L2 four times), against the shipped
+H200 winner, with achieved bandwidth and its fraction of the measured copy ceiling. A
+profile for choosing H200_CONFIGS, not a headline: the step's time is `orchestrate run`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from orchestrate.running.environment import capture
+from orchestrate.techniques.rumik.kernels import int8_gemv as g
+
+SHAPES = ((25088, 2048), (2048, 13056))
+C = g.GemvConfig
+EXTRA = (  # more bytes in flight per program, or more programs for the short-N shape
+    C(32, 256, 8, magic=True),
+    C(16, 512, 8, magic=True),
+    C(32, 256, 8, prefetch=True, magic=True),
+    C(8, 256, 4, magic=True),
+    C(32, 128, 4, magic=True),
+    C(8, 1024, 4, split_k=2, prefetch=True, magic=True),
+    C(4, 1024, 4, split_k=2, prefetch=True, magic=True),
+    C(4, 1024, 4, split_k=4, prefetch=True, magic=True),
+    C(16, 512, 8, split_k=2, prefetch=True, magic=True),
+    C(8, 512, 4, split_k=2, prefetch=True, magic=True),
+    C(16, 1024, 8, prefetch=True, magic=True),
+    C(8, 2048, 8, magic=True),
+)
+
+
+def copy_gb_s(device: torch.device) -> float:
+    """Device-to-device copy ceiling (bytes read + written), as the worker measures it."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 20 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    ceiling = copy_gb_s(device)
+    report: dict = {"environment": capture("cuda", "none").model_dump(mode="json"),
+                    "copy_gb_s": ceiling, "shapes": []}  # fmt: skip
+    for n, k in SHAPES:
+        torch.manual_seed(0)
+        q, scale = g.quantize_int8(torch.randn(n, k, device=device, dtype=torch.bfloat16))
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        shipped = g.default_config(n, k)
+        configs = tuple(dict.fromkeys((shipped, *g.GEMV_CONFIGS, *EXTRA)))
+        for cfg in configs:  # every candidate computes the same product before it is timed
+            err = (g.int8_linear(x, q, scale, config=cfg).float()
+                   - g.int8_linear_ref(x, q, scale).float()).norm() / g.int8_linear_ref(
+                       x, q, scale).float().norm()  # fmt: skip
+            assert float(err) < 1e-2, (cfg, float(err))
+        best, times = g.tune_int8_linear(x, q, scale, configs)
+        nbytes = q.numel() + scale.numel() * scale.element_size() + 2 * (k + n)
+        rows = [
+            {"config": asdict(c), "us": t * 1e3, "gb_s": nbytes / (t / 1e3) / 1e9,
+             "of_copy": nbytes / (t / 1e3) / 1e9 / ceiling, "shipped": c == shipped}
+            for c, t in sorted(times.items(), key=lambda kv: kv[1])
+        ]  # fmt: skip
+        report["shapes"].append({"n": n, "k": k, "bytes": nbytes, "rows": rows})
+        frac = nbytes / times[best] / 1e6 / ceiling
+        print(f"\n{n} x {k}: shipped {times[shipped] * 1e3:.2f} us, best "
+              f"{times[best] * 1e3:.2f} us ({frac:.0%} of copy {ceiling:.0f} GB/s)")  # fmt: skip
+        for r in rows[:6]:
+            print(f"  {r['us']:7.2f} us {r['of_copy']:5.0%} {r['config']}")
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
