@@ -36,6 +36,19 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 512, 4, split_k=2, prefetch=True, magic=True),
     C(16, 1024, 8, prefetch=True, magic=True),
     C(8, 2048, 8, magic=True),
+    # session 7, second sweep: around the first sweep's winners
+    C(16, 512, 8, prefetch=True, magic=True),
+    C(32, 512, 8, magic=True),
+    C(16, 1024, 8, magic=True),
+    C(8, 1024, 8, magic=True),
+    C(16, 512, 16, magic=True),
+    C(4, 2048, 8, magic=True),
+    C(8, 4096, 8, magic=True),
+    C(4, 4096, 8, magic=True),
+    C(16, 2048, 8, magic=True),
+    C(8, 2048, 16, magic=True),
+    C(4, 2048, 4, magic=True),
+    C(8, 2048, 8, split_k=2, magic=True),
 )
 
 

@@ -330,7 +330,9 @@ def test_graph_kernel_nodes_and_profiler_agree():
     graph.instantiate()
     assert graph_kernel_nodes(graph) == 3
     counts = count_launches(graph.replay, torch.device("cuda"))
+    busy = counts.pop("busy_us")
     assert counts == {"kernels": 3, "launches": 1}, counts
+    assert 0 < busy < 1000, busy  # three tiny kernels: microseconds of device time
 
 
 def test_launches_per_step(case128):

@@ -144,6 +144,8 @@ GEMV_CASES = [
     (40, 300, gemv.GemvConfig(8, 64, split_k=2, prefetch=True)),  # prefetch + split-K, ragged
     (72, 200, gemv.GemvConfig(16, 64, prefetch=True, magic=True)),  # bit-trick int8 -> fp32
     (64, 512, gemv.GemvConfig(8, 64, split_k=4, magic=True)),
+    (64, 300, gemv.GemvConfig(16, 64, magic=True)),  # whole N blocks, ragged K: masked tail
+    (40, 300, gemv.GemvConfig(8, 64, split_k=2)),  # the tail in the last split only
 ]
 
 
@@ -330,7 +332,7 @@ def test_decode_attention_fused_reduce_and_length_offset(
                                     fused_reduce=True, **kw)  # fmt: skip
         assert rel_err(one, two) < 1e-6
     assert rel_err(one, attn.decode_attention_ref(q, k, v, length, window=window)) < 1e-5
-    assert int(ep.SEMAPHORES[(str(DEVICE), "attention")].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[(str(q.device), "attention")].abs().sum()) == 0
 
 
 def test_decode_attention_rejects_unsupported() -> None:
@@ -760,4 +762,4 @@ def test_gpu_fused_merge_and_swiglu_in_graph() -> None:
         # eager rounds twice to nearest; the kernel too: all but ulp-level exp differences
         same = (packed[-1] == ref).float().mean().item()
         assert same > 0.99, same
-    assert int(ep.SEMAPHORES[(str(DEVICE), "attention")].abs().sum()) == 0
+    assert int(ep.SEMAPHORES[(str(qa.device), "attention")].abs().sum()) == 0

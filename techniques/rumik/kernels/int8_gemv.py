@@ -116,9 +116,12 @@ GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 
 # Winners measured on the H200 (M=1), keyed on (N, K). See benchmarks/kernels_bench.py --tune.
 H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    # (25088, 2048), (2048, 13056): benchmarks/h200/issue14-s7-gemv-sweep.json (2026-12-02,
+    # copy ceiling 4.23 TB/s): 17.5 us (70% of copy; the 2026-11-29 winner took 19.6 that
+    # day) and 10.8 us (58%; 11.5), before the masked-tail loop for K % BLOCK_K != 0
+    (25088, 2048): GemvConfig(16, 512, 8, magic=True),
+    (2048, 13056): GemvConfig(8, 2048, 8, magic=True),
     # measured 2026-11-29, M=1, graph replay over L2-busting copies; copy ceiling 4.27 TB/s
-    (25088, 2048): GemvConfig(16, 256, 4, magic=True),  # 18.1 us, 2.85 TB/s
-    (2048, 13056): GemvConfig(8, 1024, 4, prefetch=True, magic=True),  # 11.7 us, 2.30 TB/s
     (2048, 2048): GemvConfig(4, 1024, 4, magic=True),  # 3.6 us, launch-bound
     (11008, 2048): GemvConfig(16, 256, 4, magic=True),  # 9.4 us, 2.39 TB/s
     (2048, 11008): GemvConfig(8, 1024, 4, prefetch=True, magic=True),  # 10.2 us, 2.21 TB/s
@@ -179,6 +182,7 @@ def _int8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
+    TAIL: tl.constexpr,
     PREFETCH: tl.constexpr,
     MAGIC: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -204,6 +208,16 @@ def _int8_gemv_kernel(
                                          BLOCK_K, EVEN, True)  # fmt: skip
             acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
             w, x = w_next, x_next
+    elif TAIL:
+        # whole rows of blocks, K not a multiple of BLOCK_K: plain vector loads for the whole
+        # chunks, per-element masks only on the last, partial one
+        k_full = k_lo + ((k_hi - k_lo) // BLOCK_K) * BLOCK_K
+        for k in range(k_lo, k_full, BLOCK_K):
+            w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k, k_hi, BLOCK_K, True, False)
+            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+        if k_full < k_hi:
+            w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k_full, k_hi, BLOCK_K, False, False)
+            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
     else:
         for k in range(k_lo, k_hi, BLOCK_K):
             w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k, k_hi, BLOCK_K, EVEN, False)
@@ -366,6 +380,7 @@ def _launch_gemv(
     split_k = cdiv(k, k_per_split)  # no empty splits
     n_blocks = cdiv(n, cfg.block_n)
     even = k % cfg.block_k == 0 and n % cfg.block_n == 0
+    tail = not even and n % cfg.block_n == 0 and not cfg.prefetch
     if split_k > 1:
         part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
         sem = split_k_semaphores(x.device, n_blocks)
@@ -386,6 +401,7 @@ def _launch_gemv(
         BLOCK_K=cfg.block_k,
         SPLIT_K=split_k,
         EVEN=even,
+        TAIL=tail,
         PREFETCH=cfg.prefetch,
         MAGIC=cfg.magic,
         USE_PDL=use_pdl,
