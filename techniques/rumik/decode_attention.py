@@ -18,9 +18,6 @@ from orchestrate.families.rumik.engine import Engine, masked_sdpa
 class DecodeAttentionParams(TechniqueParams):
     num_splits: int = Field(16, ge=1, le=128, description="Split-K programs per KV head.")
     block_s: int = Field(64, ge=16, le=256)
-    fused_reduce: bool = Field(
-        True, description="Merge the splits in the same launch (no second kernel per layer)."
-    )
     pdl: bool = Field(False, description="Programmatic dependent launch (Hopper).")
 
 
@@ -56,7 +53,6 @@ class DecodeAttention(Technique):
                 window=window or 0,
                 num_splits=p.num_splits,
                 block_s=p.block_s,
-                fused_reduce=p.fused_reduce,
                 launch_pdl=p.pdl or engine.launch.pdl,  # own param, or the engine's option
             )
             return out.unsqueeze(2)

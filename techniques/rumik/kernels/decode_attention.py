@@ -31,9 +31,11 @@ once and nothing beyond the length:
   device from the length, so the work is spread over all Hkv * num_splits programs whether
   the length is 100 or 8192; programs whose slice is empty exit at once. Each program keeps
   an online softmax (running max, running sum, exp2 with log2(e) folded into the scale) and
-  writes unnormalised partials; a second small kernel merges them (log-sum-exp weights),
-  or, with fused_reduce=True, the last program of each KV head to finish (counted with an
-  atomic, as the split-K GEMVs do) merges its G heads in the same launch.
+  writes unnormalised partials; a second small kernel merges them (log-sum-exp weights).
+  Merging inside the split launch instead (the last program of each KV head, counted with an
+  atomic, merges its G heads) was measured slower on the H200: 1.908 against 1.699 ms per
+  token for exp74-full (benchmarks/h200/issue14-s7-profile-variants.json); the merge runs
+  serially in 4 programs at the tail, where the second kernel spreads it over 16.
 - num_splits=1 is the single-pass variant: one program per KV head normalises and writes the
   output directly (no second kernel; only for very short caches: 4 programs cannot stream).
 
@@ -62,7 +64,6 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
-from .epilogue import split_k_semaphores
 
 patch_interpreter_scalars()
 
@@ -97,7 +98,6 @@ def _attn_split_kernel(
     out_ptr,
     acc_ptr,
     ml_ptr,
-    sem_ptr,
     LEN_OFFSET,
     WINDOW,
     qk_scale,
@@ -112,8 +112,6 @@ def _attn_split_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -122,17 +120,14 @@ def _attn_split_kernel(
     split = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q, the cache write and the length come from earlier kernels
-    start, end, n_active = _split_range(len_ptr, LEN_OFFSET, WINDOW, split, NUM_SPLITS, BLOCK_S)
+    start, end, _ = _split_range(len_ptr, LEN_OFFSET, WINDOW, split, NUM_SPLITS, BLOCK_S)
+    if start >= end:
+        return  # beyond the length (or an empty window): nothing to read or write
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     offs_s = tl.arange(0, BLOCK_S)
     g_mask = offs_g < G
     heads = kv_head * G + offs_g
-    if start >= end:  # beyond the length (or an empty window): nothing to read or write
-        if FUSED_REDUCE and NUM_SPLITS > 1:  # ...but the merge still counts every program
-            _merge_if_last(sem_ptr, acc_ptr, ml_ptr, out_ptr, stride_oh, kv_head, n_active,
-                           G, D, NUM_SPLITS, SPLITS_PAD)  # fmt: skip
-        return
     q = tl.load(q_ptr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0)
     if DOT_F32:  # interpreter only: its tl.dot cannot multiply bf16/fp16
         q = q.to(tl.float32)
@@ -172,48 +167,6 @@ def _attn_split_kernel(
         tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=g_mask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_mask)
-        if FUSED_REDUCE:
-            _merge_if_last(sem_ptr, acc_ptr, ml_ptr, out_ptr, stride_oh, kv_head, n_active,
-                           G, D, NUM_SPLITS, SPLITS_PAD)  # fmt: skip
-
-
-@triton.jit
-def _merge_head(
-    head, n_active, acc_ptr, ml_ptr, out_ptr, stride_oh,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """One head's output from its splits' partials (log-sum-exp weights, fixed order).
-    CACHE ".cg" reads through L2 only, past this SM's L1: other SMs wrote the partials."""
-    offs_p = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D)
-    p_mask = offs_p < n_active  # partials of empty splits were never written
-    row = head * NUM_SPLITS + offs_p
-    m = tl.load(ml_ptr + row * 2, mask=p_mask, other=float("-inf"), cache_modifier=CACHE)
-    l_part = tl.load(ml_ptr + row * 2 + 1, mask=p_mask, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0,
-                  cache_modifier=CACHE)  # fmt: skip
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # length 0: every weight is 0
-    w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_part * w, axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _merge_if_last(
-    sem_ptr, acc_ptr, ml_ptr, out_ptr, stride_oh, kv_head, n_active,
-    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
-    """The last of a KV head's NUM_SPLITS programs merges its G heads and re-arms the counter."""
-    tl.debug_barrier()  # this program's partial stores precede the release below
-    done = tl.atomic_add(sem_ptr + kv_head, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
-        for g in range(G):
-            _merge_head(kv_head * G + g, n_active, acc_ptr, ml_ptr, out_ptr, stride_oh,
-                        D, NUM_SPLITS, SPLITS_PAD, ".cg")  # fmt: skip
-        tl.atomic_xchg(sem_ptr + kv_head, 0, sem="relaxed", scope="gpu")  # re-arm for replay
 
 
 @triton.jit
@@ -235,8 +188,20 @@ def _attn_reduce_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     _, _, n_active = _split_range(len_ptr, LEN_OFFSET, WINDOW, 0, NUM_SPLITS, BLOCK_S)
-    _merge_head(head, n_active, acc_ptr, ml_ptr, out_ptr, stride_oh, D, NUM_SPLITS, SPLITS_PAD,
-                "")  # fmt: skip
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D)
+    p_mask = offs_p < n_active  # partials of empty splits were never written
+    row = head * NUM_SPLITS + offs_p
+    m = tl.load(ml_ptr + row * 2, mask=p_mask, other=float("-inf"))
+    l_part = tl.load(ml_ptr + row * 2 + 1, mask=p_mask, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # length 0: every weight is 0
+    w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l_part * w, axis=0)
+    o = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------- torch side
@@ -332,16 +297,14 @@ def decode_attention(
     num_splits: int = 64,
     block_s: int = 64,
     num_stages: int = 3,
-    fused_reduce: bool = False,
     out: torch.Tensor | None = None,
     launch_pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token over the first `length + length_offset` (device) cache
     positions.
 
-    num_splits / block_s / num_stages / fused_reduce are launch shape only (the grid is
-    Hkv x num_splits; fused_reduce merges the splits in the same launch); the defaults were
-    the fastest measured on the H200 for lengths 1k-8k.
+    num_splits / block_s / num_stages are launch shape only (the grid is Hkv x num_splits);
+    the defaults were the fastest measured on the H200 for lengths 1k-8k.
     """
     q2 = _as_2d_q(q)
     k = _as_3d_cache("k_cache", k_cache)
@@ -358,13 +321,11 @@ def decode_attention(
     out2 = out.view(hq, HEAD_DIM)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(HEAD_DIM)
     use_pdl = pdl_enabled(launch_pdl, device)
-    fused_reduce = fused_reduce and num_splits > 1
     if num_splits > 1:
         part_acc = torch.empty((hq * num_splits, HEAD_DIM), dtype=torch.float32, device=device)
         part_ml = torch.empty((hq * num_splits, 2), dtype=torch.float32, device=device)
     else:
         part_acc = part_ml = out2  # unused in the single-pass variant
-    sem = split_k_semaphores(device, hkv, pool="attention") if fused_reduce else out2
     fp32 = q2.dtype == torch.float32
     precision = "ieee" if fp32 or interpreting() else "tf32"  # tf32: the default, a no-op on bf16
     _attn_split_kernel[(hkv, num_splits)](
@@ -375,7 +336,6 @@ def decode_attention(
         out2,
         part_acc,
         part_ml,
-        sem,
         int(length_offset),
         int(window),
         scale * LOG2E,
@@ -390,14 +350,12 @@ def decode_attention(
         D=HEAD_DIM,
         BLOCK_S=block_s,
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_pow2(num_splits),
-        FUSED_REDUCE=fused_reduce,
         PRECISION=precision,
         DOT_F32=interpreting() and not fp32,
         USE_PDL=use_pdl,
         **launch_options(use_pdl, 4, num_stages),
     )
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _attn_reduce_kernel[(hq,)](
             length,
             part_acc,

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-# One pool per (device, user) for every split-K launch: each launch leaves its counters at zero.
-SEMAPHORES: dict[tuple[str, str], torch.Tensor] = {}
+# One pool per device for every split-K GEMV: each launch leaves its counters at zero.
+SEMAPHORES: dict[str, torch.Tensor] = {}
 
 
 @triton.jit
@@ -41,11 +41,10 @@ def store_scaled(
             tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm for replay
 
 
-def split_k_semaphores(device: torch.device, n: int, pool: str = "gemv") -> torch.Tensor:
-    """At least `n` zeroed int32 counters on `device`, shared by all split-K launches of one
-    pool there (allocated on the first call: warm up before CUDA-graph capture). Kernels of
-    different pools (the GEMVs, decode attention's fused merge) never share a counter."""
-    key = (str(device), pool)
+def split_k_semaphores(device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` zeroed int32 counters on `device`, shared by all split-K launches there
+    (allocated on the first call: warm up before CUDA-graph capture)."""
+    key = str(device)
     sem = SEMAPHORES.get(key)
     if sem is None or sem.numel() < n:
         # zeros once; every split-K launch leaves them at zero again
