@@ -130,6 +130,7 @@ class FusedRopeNormDecoder(StaticDecoder):
 class FusedRopeNorm(Technique):
     name = "fused_rope_norm"
     family = "rumik"
+    version = 2  # 2: the SwiGLU + pack kernel (swiglu, default on); the records of ff0fdf1 say @1
     exact = True
     slots = ("decoder_class",)  # static_kv_cache's factory builds this subclass
     wraps = ("decoder",)  # to check that it did
