@@ -3,6 +3,8 @@
 #   bash benchmarks/speed2_s7.sh check   # GPU tests, INT8 GEMV configs, per-kernel profiles
 #   bash benchmarks/speed2_s7.sh ab      # baseline B, exp74-full-s6 and exp74-full in one
 #                                        # worker; then exp74-full-s6 vs exp74-full alone
+#   bash benchmarks/speed2_s7.sh final   # the rotary kernel in three programs: B, exp74-full
+#                                        # and exp74-while in one worker
 # exp74-full-s6 -> exp74-full: the SwiGLU + pack kernel (fused_rope_norm's swiglu); both read
 # the attention length as position + 1 on the device. A second call at e5775b7 profiled each
 # of two changes alone (the other, decode attention's split merge inside its own launch, was
@@ -22,5 +24,13 @@ ab)
     timeout 230 bash benchmarks/gpu_run.sh issue14-s7-ab \
         --baseline experiments/exp74-full-s6.yaml --stack exp74-full \
         --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 0 ;;
-*) echo "usage: speed2_s7.sh check|ab" >&2; exit 2 ;;
+final)  # after the rotary kernel's three programs: tests, profile, B vs exp74-full vs -while
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
+    timeout 100 python3 benchmarks/profile_step.py --frames 40 --out "$OUT/profile.json" \
+        --stacks exp74-full 2>&1 | grep -v "^  "
+    timeout 300 bash benchmarks/gpu_run.sh issue14-s7-final --baseline baseline-b \
+        --stack exp74-full --stack exp74-while \
+        --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 64 ;;
+*) echo "usage: speed2_s7.sh check|ab|final" >&2; exit 2 ;;
 esac

@@ -29,9 +29,9 @@ Why it is fast
 At batch 1 these ops move a few KB; their cost is launches and round trips through memory.
 LayerNorm (with the residual add of the parallel block fused in) is one program per row with
 the whole 2048-wide row in registers. Rotary for all heads of q and k plus both cache writes
-is a single one-program launch that reads cos/sin for one position from a precomputed table
-(no sin/cos evaluated on the device, so results do not depend on the GPU's transcendental
-approximations) and the position from device memory.
+is one launch of three programs (q; k; v) that read cos/sin for one position from a
+precomputed table (no sin/cos evaluated on the device, so results do not depend on the
+GPU's transcendental approximations) and the position from device memory.
 """
 
 from __future__ import annotations
@@ -208,23 +208,30 @@ def _rope_cache_kernel(
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
     ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # Three programs, one per tensor (q; k into the cache; v into the cache): each has one
+    # dependent chain (position -> cos/sin -> rotate -> store) instead of one program
+    # running the three after one another (3.6 us per call on the H200, mostly latency).
+    part = tl.program_id(0)
     i = tl.arange(0, HALF)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr).to(tl.int64)
     cos = tl.zeros([HALF], dtype=tl.float32)
     sin = tl.zeros([HALF], dtype=tl.float32)
-    if ROTARY:
+    if ROTARY:  # (the v program reads the 256 bytes too and never uses them)
         in_table = (pos >= 0) & (pos < TABLE_LEN)
         cos = tl.load(cos_ptr + pos * HALF + i, mask=in_table, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + i, mask=in_table, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, stride_q, stride_qo, cos, sin, HQ, True,
-                  HQ_PAD, HALF, ROTARY)  # fmt: skip
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
-    _rotate_heads(k_ptr, kc_ptr + pos * stride_kcs, stride_k, stride_kch, cos, sin, HKV,
-                  in_cache, HKV_PAD, HALF, ROTARY)  # fmt: skip
-    _rotate_heads(v_ptr, vc_ptr + pos * stride_vcs, stride_v, stride_vch, cos, sin, HKV,
-                  in_cache, HKV_PAD, HALF, False)  # fmt: skip
+    if part == 0:
+        _rotate_heads(q_ptr, q_out_ptr, stride_q, stride_qo, cos, sin, HQ, True,
+                      HQ_PAD, HALF, ROTARY)  # fmt: skip
+    elif part == 1:
+        _rotate_heads(k_ptr, kc_ptr + pos * stride_kcs, stride_k, stride_kch, cos, sin, HKV,
+                      in_cache, HKV_PAD, HALF, ROTARY)  # fmt: skip
+    else:
+        _rotate_heads(v_ptr, vc_ptr + pos * stride_vcs, stride_v, stride_vch, cos, sin, HKV,
+                      in_cache, HKV_PAD, HALF, False)  # fmt: skip
 
 
 def rope_cos_sin(
@@ -339,7 +346,7 @@ def rope_and_cache_write(
         raise ValueError("rope_and_cache_write: q_out must match q in size and dtype")
     qo = q_out.view(q2.shape)
     use_pdl = pdl_enabled(launch_pdl, device)
-    _rope_cache_kernel[(1,)](
+    _rope_cache_kernel[(3,)](
         q2, k2, v2, pos, cos, sin, qo, kc, vc,
         q2.shape[0], k2.shape[0], kc.shape[1], cos.shape[0],
         q2.stride(0), k2.stride(0), v2.stride(0), qo.stride(0),
