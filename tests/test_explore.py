@@ -822,7 +822,9 @@ def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Pat
     assert time.monotonic() - started < 600
     row = json.loads(out.stdout)
     assert row["status"] == "FINISHED" and row["stop_reason"]
-    assert row["champion_headline"] >= 1.3, out.stderr
+    decided = [(c["change"], c["decision"], c["reason"]) for c in row["candidates"]]
+    # (on a loaded machine the runs come out noisy and nothing is accepted: run it alone)
+    assert (row["champion_headline"] or 0.0) >= 1.3, (row["stop_reason"], decided)
     accepted = [c for c in row["candidates"] if c["decision"] == "accept"]
     assert accepted and accepted[0]["quality_path"] == decisions.EXACT
     assert [s["phase"] for s in accepted[0]["steps"]][-2:] == ["fresh", "gate"]
