@@ -5,8 +5,9 @@
 For (25088 x 2048) (q,k,v,gate,up packed) and (2048 x 13056) (o+down packed): every config
 of int8_gemv.GEMV_CONFIGS plus the wider candidates below, each timed by tune_int8_linear
 (CUDA-graph replay over weight copies that exceed the L2 four times), against the shipped
-H200 winner, with achieved bandwidth and its fraction of the measured copy ceiling. A
-profile for choosing H200_CONFIGS, not a headline: the step's time is `orchestrate run`'s.
+H200 winner, with achieved bandwidth and its fraction of the copy ceiling the environment
+measures (the session-7 records used a 1 GiB copy of this script's own: 4.23-4.24 TB/s).
+A profile for choosing H200_CONFIGS, not a headline: the step's time is `orchestrate run`'s.
 """
 
 from __future__ import annotations
@@ -52,30 +53,15 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
 )
 
 
-def copy_gb_s(device: torch.device) -> float:
-    """Device-to-device copy ceiling (bytes read + written), as the worker measures it."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (start.elapsed_time(end) / 1e3) / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
-    ceiling = copy_gb_s(device)
-    report: dict = {"environment": capture("cuda", "none").model_dump(mode="json"),
-                    "copy_gb_s": ceiling, "shapes": []}  # fmt: skip
+    env = capture("cuda", "none")  # measures the copy ceiling as the worker does
+    ceiling = env.copy_gb_s or float("nan")
+    report: dict = {"environment": env.model_dump(mode="json"), "copy_gb_s": ceiling,
+                    "shapes": []}  # fmt: skip
     for n, k in SHAPES:
         torch.manual_seed(0)
         q, scale = g.quantize_int8(torch.randn(n, k, device=device, dtype=torch.bfloat16))
