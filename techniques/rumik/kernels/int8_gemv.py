@@ -116,9 +116,10 @@ GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 
 # Winners measured on the H200 (M=1), keyed on (N, K). See benchmarks/kernels_bench.py --tune.
 H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    # (25088, 2048), (2048, 13056): benchmarks/h200/issue14-s7-gemv-sweep.json (2026-12-02,
-    # copy ceiling 4.23 TB/s): 17.5 us (70% of copy; the 2026-11-29 winner took 19.6 that
-    # day) and 10.8 us (58%; 11.5), before the masked-tail loop for K % BLOCK_K != 0
+    # (25088, 2048), (2048, 13056): benchmarks/h200/issue14-s7-gemv-sweep{,2}.json
+    # (2026-12-02, copy ceiling 4.23 TB/s). The first: 17.5 / 18.6 us in two sweeps, against
+    # 19.6 / 17.8 for the 2026-11-29 winner (16, 256, 4): within run-to-run spread. The
+    # second: 10.8 / 10.9 us (58% of copy) against 11.5 / 11.6.
     (25088, 2048): GemvConfig(16, 512, 8, magic=True),
     (2048, 13056): GemvConfig(8, 2048, 8, magic=True),
     # measured 2026-11-29, M=1, graph replay over L2-busting copies; copy ceiling 4.27 TB/s
