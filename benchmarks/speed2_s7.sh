@@ -5,6 +5,8 @@
 #                                        # worker; then exp74-full-s6 vs exp74-full alone
 #   bash benchmarks/speed2_s7.sh final   # the rotary kernel in three programs: B, exp74-full
 #                                        # and exp74-while in one worker
+#   bash benchmarks/speed2_s7.sh while   # exp74-full and exp74-while, each with and without
+#                                        # pdl, in one worker
 # exp74-full-s6 -> exp74-full: the SwiGLU + pack kernel (fused_rope_norm's swiglu); both read
 # the attention length as position + 1 on the device. A second call at e5775b7 profiled each
 # of two changes alone (the other, decode attention's split merge inside its own launch, was
@@ -32,5 +34,10 @@ final)  # after the rotary kernel's three programs: tests, profile, B vs exp74-f
     timeout 300 bash benchmarks/gpu_run.sh issue14-s7-final --baseline baseline-b \
         --stack exp74-full --stack exp74-while \
         --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 64 ;;
-*) echo "usage: speed2_s7.sh check|ab|final" >&2; exit 2 ;;
+while)  # why the WHILE graph is not faster: with and without PDL, per-token graph and WHILE
+    timeout 400 bash benchmarks/gpu_run.sh issue14-s7-while --baseline exp74-full \
+        --stack exp74-while --stack benchmarks/stacks/exp74-full-nopdl.yaml \
+        --stack benchmarks/stacks/exp74-while-nopdl.yaml \
+        --model rumik-oss-1 --device cuda --workload gpu-quick --fidelity-steps 0 ;;
+*) echo "usage: speed2_s7.sh check|ab|final|while" >&2; exit 2 ;;
 esac
