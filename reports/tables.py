@@ -240,6 +240,27 @@ def fidelity_scope(family: str | None) -> str:
     )
 
 
+def fidelity_verdict(fid: Mapping[str, Any]) -> str:
+    """'within tolerance', or 'OUTSIDE tolerance' naming the parts that put it there: the
+    verdict covers the logits and the sampler and loop tests, and the line's figures are the
+    logits' alone, so a reader must not have to guess which part failed."""
+    if fid["within_tolerance"]:
+        return "within tolerance"
+    failed = []
+    sampler_failed = fid.get("sampler_tv") is not None and (
+        fid["sampler_tv"] > fid["sampler_tv_bound"]
+    )
+    loop_failed = fid.get("loop_tokens_identical") is False
+    logits_ok = fid.get("logits_within_tolerance")
+    if logits_ok is False or (logits_ok is None and not (sampler_failed or loop_failed)):
+        failed.append("logits")
+    if sampler_failed:
+        failed.append("sampler")
+    if loop_failed:
+        failed.append("loop tokens")
+    return f"OUTSIDE tolerance ({', '.join(failed)})"
+
+
 def slot_checks_line(name: str, fid: Mapping[str, Any]) -> str | None:
     """One line for the sampler and loop tests a stack's fidelity ran, or None."""
     parts = []

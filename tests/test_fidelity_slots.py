@@ -295,6 +295,25 @@ def test_show_prints_each_slot_test(records: dict[str, FidelityRecord]) -> None:
     assert slot_checks_line("stock", records["stock"].model_dump()) is None
 
 
+def test_the_verdict_names_the_part_that_failed(records: dict[str, FidelityRecord]) -> None:
+    """The printed figures are the logits'; an OUTSIDE verdict says which part put it there
+    (baseline B printed 'OUTSIDE tolerance; mean KL 0, top-1 1.000' with no reason)."""
+    from orchestrate.reports.tables import fidelity_verdict
+
+    def verdict(name: str) -> str:
+        return fidelity_verdict(records[name].model_dump())
+
+    assert verdict("baseline_b") == "OUTSIDE tolerance (loop tokens)"
+    assert verdict("greedy") == "OUTSIDE tolerance (sampler)"
+    assert verdict("stale_loop") == "OUTSIDE tolerance (loop tokens)"
+    assert verdict("honest_both") == verdict("stock") == "within tolerance"
+    assert records["baseline_b"].logits_within_tolerance is True
+    moved = records["greedy"].model_copy(update={"logits_within_tolerance": False})
+    assert fidelity_verdict(moved.model_dump()) == "OUTSIDE tolerance (logits, sampler)"
+    older = {"within_tolerance": False}  # a record from before the slot tests: the logits
+    assert fidelity_verdict(older) == "OUTSIDE tolerance (logits)"
+
+
 def test_without_sampling_settings_the_slots_stay_not_covered(tiny_model: RumikModel) -> None:
     # Reference.judge alone (no sampling settings) is teacher forcing only, and says so.
     cat = registry.catalogue()

@@ -273,7 +273,7 @@ def judge_slots(
     """`rec` with the sampler and loop slots measured where a technique fills them: within
     tolerance only if the sampler draws stock's distribution and the loop emits the
     reference loop's tokens (a plugin's `exact` there is measured, not taken on its word)."""
-    update: dict[str, object] = {}
+    update: dict[str, object] = {"logits_within_tolerance": rec.within_tolerance}
     ok = rec.within_tolerance
     tested: tuple[str, ...] = ()
     if "sampler" in engine.filled:

@@ -193,8 +193,16 @@ class FidelityRecord(Record):
     max_kl: float
     top1_agreement: float
     topk_agreement: float = Field(description="Mean Jaccard overlap of the top-k candidate sets.")
-    within_tolerance: bool
+    within_tolerance: bool = Field(
+        description="The verdict over every part measured: the logits, and the sampler and "
+        "loop where a technique fills them."
+    )
     tolerance: float
+    logits_within_tolerance: bool | None = Field(
+        None,
+        description="The teacher-forced logits alone (None: older records, or no sampler or "
+        "loop test changed the verdict).",
+    )
     noise_floor_max_abs: float | None = Field(
         None, description="Half precision: stock's own max |logit diff| from an fp32 upcast."
     )

@@ -415,6 +415,7 @@ def _show(run_row: dict[str, Any]) -> None:
         environment_line,
         error_line,
         fidelity_scope,
+        fidelity_verdict,
         skipped_lines,
         slot_checks_line,
         stack_table,
@@ -458,7 +459,7 @@ def _show(run_row: dict[str, Any]) -> None:
             )
         fid = s.get("fidelity")
         if fid and (s["position"] > 0 or s.get("applied")):  # stock vs itself says nothing
-            verdict = "within tolerance" if fid["within_tolerance"] else "OUTSIDE tolerance"
+            verdict = fidelity_verdict(fid)
             console.print(
                 f"{s['name']}: fidelity vs stock over {fid['steps']} steps: {verdict}; "
                 f"mean KL {fid['mean_kl']:.3g}, top-1 {fid['top1_agreement']:.3f}, "
