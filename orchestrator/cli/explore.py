@@ -135,6 +135,13 @@ def explore(
     runs_dir: Annotated[
         Path | None, typer.Option(help="Jobs, results and WAVs (default: runs).")
     ] = (None),
+    fresh_worker: Annotated[
+        bool,
+        typer.Option(
+            help="A new worker process per job, instead of one kept warm for the whole "
+            "exploration (which builds the model once and reuses it while its checksum holds)."
+        ),
+    ] = False,
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -152,7 +159,7 @@ def explore(
         if named:
             flags = ", ".join("--" + k.rstrip("_").replace("_", "-") for k in named)
             fail(f"--resume continues the recorded exploration as it was; drop {flags}")
-        return _resume(resume, budget, parsed_budget, runs_dir, mlflow, db, as_json)
+        return _resume(resume, budget, parsed_budget, runs_dir, mlflow, fresh_worker, db, as_json)
     if patience is not None and patience < 1:
         fail(f"--patience must be >= 1, got {patience}")
     if per_job is not None and per_job < 1:
@@ -210,7 +217,7 @@ def explore(
     if not as_json:
         limit = parse_budget(options["budget"]).describe()
         console.print(f"exploration {exploration_id[:12]}: from {root.name}, budget {limit}")
-    _drive(store, exploration_id, parsed_budget, mlflow, as_json)
+    _drive(store, exploration_id, parsed_budget, mlflow, not fresh_worker, as_json)
 
 
 def _resume(
@@ -219,6 +226,7 @@ def _resume(
     parsed: Any,
     runs_dir: Path | None,
     mlflow: bool,
+    fresh_worker: bool,
     db: str | None,
     as_json: bool,
 ) -> None:
@@ -246,10 +254,14 @@ def _resume(
         done = sum(c["status"] == "decided" for c in row["candidates"])
         champion = row["champion"]["name"]
         console.print(f"exploration {short} resumes: {done} decided, champion {champion}")
-    _drive(store, row["id"], parsed, mlflow and options.get("track", True), as_json)
+    _drive(
+        store, row["id"], parsed, mlflow and options.get("track", True), not fresh_worker, as_json
+    )
 
 
-def _drive(store: Any, exploration_id: str, budget: Any, track: bool, as_json: bool) -> None:
+def _drive(
+    store: Any, exploration_id: str, budget: Any, track: bool, warm: bool, as_json: bool
+) -> None:
     """Build the exploration's setup from its row and run the loop to a stop."""
     from orchestrate.explore.budget import parse_budget
     from orchestrate.explore.loop import Explorer, Setup
@@ -283,7 +295,9 @@ def _drive(store: Any, exploration_id: str, budget: Any, track: bool, as_json: b
         budget=budget or parse_budget(options["budget"]),
         patience=options["patience"],
         target=options.get("target"),
-        submitter=LocalSubmitter(store, runs_dir, track=track, on_event=_status(as_json)),
+        submitter=LocalSubmitter(
+            store, runs_dir, track=track, on_event=_status(as_json), warm=warm
+        ),
         runs_dir=runs_dir,
         track=track,
         holdout_file=Path(options["holdout"]) if options["holdout"] else None,
@@ -301,6 +315,7 @@ def _drive(store: Any, exploration_id: str, budget: Any, track: bool, as_json: b
         explorer.close("INTERRUPTED", why)
         fail(f"{why}; resume with: orchestrate explore --resume {exploration_id[:12]}", 130)
     finally:
+        setup.submitter.close()
         signal.signal(signal.SIGTERM, previous)
     for warning in setup.warnings:
         warn(warning)

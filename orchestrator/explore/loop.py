@@ -402,6 +402,7 @@ class Explorer:
                 track=self.s.track,
                 holdout_file=self.s.holdout_file,
                 on_event=self.s.on_event,
+                submit=lambda job: self.s.submitter.submit([Submission(job, force=True)])[0],
             )
             step = judge_gate(report)
         except (ProtocolError, HoldoutError, StackError, ScoringError, HoldoutLeak) as exc:

@@ -1,10 +1,12 @@
 """How an exploration's jobs reach a worker: the seam a queue of GPU workers plugs into.
 
 The loop hands a `Submitter` planned jobs and gets one recorded `Outcome` per job back, in
-order; it never starts a worker itself. `LocalSubmitter` runs them one after another in a
-worker subprocess here (runner.execute). A queue of GPU hosts would implement the same two
-members: `slots` (jobs it can run at once) and `submit` (block until every job of the list
-is recorded, its result in the store), and the loop would not change.
+order; it never starts a worker itself (the gate's jobs come through it too). `LocalSubmitter`
+runs them one after another in a worker subprocess here (runner.execute): by default one
+kept warm for the whole exploration (running.warm: the model is built once), or a fresh one
+per job. A queue of GPU hosts would implement the same members: `slots` (jobs it can run at
+once), `submit` (block until every job of the list is recorded, its result in the store)
+and `close` (release its workers), and the loop would not change.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Protocol
 
 from orchestrate.api.records import JobSpec
 from orchestrate.research import decide
-from orchestrate.running.runner import Outcome, comparisons, execute
+from orchestrate.running.runner import Outcome, comparisons, execute, spawn_worker
+from orchestrate.running.warm import WarmWorker
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,14 @@ class Submitter(Protocol):
         (also when the identical experiment was recorded before and served back)."""
         ...
 
+    def close(self) -> None:
+        """Release its workers (the exploration stopped or was interrupted)."""
+        ...
+
 
 class LocalSubmitter:
-    """One worker subprocess on this machine, one job at a time."""
+    """One worker subprocess on this machine, one job at a time: kept warm between jobs
+    (`warm`, the default) or a fresh one per job."""
 
     slots = 1
 
@@ -51,11 +59,17 @@ class LocalSubmitter:
         *,
         track: bool,
         on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+        warm: bool = True,
     ) -> None:
         self.store, self.runs_dir, self.track, self.on_event = store, runs_dir, track, on_event
+        self.warm = WarmWorker(runs_dir) if warm else None
 
     def submit(self, jobs: list[Submission]) -> list[Outcome]:
         return [self._one(s) for s in jobs]
+
+    def close(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
 
     def _one(self, s: Submission) -> Outcome:
         run = lambda force: execute(  # noqa: E731
@@ -66,6 +80,7 @@ class LocalSubmitter:
             force=force,
             on_event=self.on_event,
             recordings_from=s.recordings_from,
+            worker=self.warm or spawn_worker,
         )
         outcome = run(s.force)
         if not outcome.reused:

@@ -39,9 +39,12 @@ def run_gate(
     allow_reuse: bool = False,
     holdout_file: Path | None = None,
     on_event: Any = None,
+    submit: Any = None,
 ) -> dict[str, Any]:
     """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
-    only sanctioned reader), score it, and accept or retain. Returns the full evidence."""
+    only sanctioned reader), score it, and accept or retain. Returns the full evidence.
+    `submit(job) -> Outcome` runs a job, always measured afresh (default: runner.execute in
+    a fresh worker; an exploration passes its Submitter's)."""
     from orchestrate.research import decide, holdout, scoring_run
     from orchestrate.running.plan import plan_job
     from orchestrate.running.runner import execute
@@ -49,6 +52,9 @@ def run_gate(
     proto.require_gates(protocol)
     store.register_protocol(protocol)
     on_event = on_event or (lambda e: None)
+    submit = submit or (
+        lambda job: execute(job, store, runs_dir, track=track, force=True, on_event=on_event)
+    )
     stock = load_stack(get_family(model.family).baseline)  # the family names its baseline
     if not candidate.techniques or candidate.content_hash() == stock.content_hash():
         raise StackError("stock is the reference, not a candidate")
@@ -78,14 +84,7 @@ def run_gate(
         dev.model_dump() | keep | {"name": proto.phase_workload(dev.name, "remeasure")}
     )
     on_event({"event": "status", "message": "fresh post-warm-up remeasure (dev prompts)"})
-    first = execute(
-        plan_job(model, remeasure, stacks, protocol, runs_dir),
-        store,
-        runs_dir,
-        track=track,
-        force=True,
-        on_event=on_event,
-    )
+    first = submit(plan_job(model, remeasure, stacks, protocol, runs_dir))
     report["remeasure_run"] = first.run_id
     if first.result is None:
         report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
@@ -137,14 +136,9 @@ def run_gate(
         status, run_id = "error", None
         try:
             on_event({"event": "status", "message": "holdout gate (sealed prompts)"})
-            second = execute(
-                # placeholders for texts: the worker reads them from the sealed file
-                plan_job(model, held, stacks, protocol, runs_dir, sealed_file=sealed_file),
-                store,
-                runs_dir,
-                track=track,
-                force=True,
-                on_event=on_event,
+            # placeholders for texts: the worker reads them from the sealed file
+            second = submit(
+                plan_job(model, held, stacks, protocol, runs_dir, sealed_file=sealed_file)
             )
             run_id = report["holdout_run"] = second.run_id
             if second.result is None:

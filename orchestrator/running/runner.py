@@ -91,6 +91,10 @@ def _against(base: StackResult, cand: StackResult, result: ResultRecord) -> dict
     )
 
 
+# How a job reaches a worker: (job.json, result.json, worker.log, on_event) -> exit status.
+WorkerLaunch = Callable[[Path, Path, Path, Callable[[dict[str, Any]], None]], int]
+
+
 def spawn_worker(
     job_path: Path, result_path: Path, log_path: Path, on_event: Callable[[dict[str, Any]], None]
 ) -> int:
@@ -101,7 +105,7 @@ def spawn_worker(
     events_path = job_path.with_name("events.jsonl")
     with log_path.open("w") as log, events_path.open("a", buffering=1) as events:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent()
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent()
         )
         try:
             # Its pid, for describe_exit (did the kernel's OOM killer end it?) and tests.
@@ -123,7 +127,7 @@ def spawn_worker(
             raise
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """For the worker, run between fork and exec (Linux): SIGKILL it when the orchestrator
     dies, so a `kill -9` of `orchestrate run` leaves no orphan holding the GPU (what it
     measured is on disk already, in utterances.jsonl). prctl is looked up here, in the
@@ -234,9 +238,11 @@ def execute(
     force: bool = False,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     recordings_from: Path | None = None,
+    worker: WorkerLaunch = spawn_worker,
 ) -> Outcome:
     """Run `job` in a worker and record it. `recordings_from`: a resumed job's old folder,
-    whose WAVs of the carried utterances are linked (or copied) into the new one first."""
+    whose WAVs of the carried utterances are linked (or copied) into the new one first.
+    `worker`: a fresh process per job (spawn_worker), or one kept warm (running.warm)."""
     ident = job_identity(job)
     prev = None if force else store.find_run_by_identity(ident)
     # A noisy run is never served back as the measurement: this job measures afresh.
@@ -258,7 +264,7 @@ def execute(
     run_id = store.begin_run(job, ident)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        rc = spawn_worker(job_path, result_path, log_path, on_event)
+        rc = worker(job_path, result_path, log_path, on_event)
         if not result_path.exists():
             raise WorkerFailed(describe_exit(rc, log_path))
         result = ResultRecord.read(result_path)

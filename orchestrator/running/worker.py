@@ -4,6 +4,9 @@ project only (no database, no MLflow): run it here, in a subprocess, or on a GPU
 `orchestrate worker JOB.json`.
 
 Progress goes to stdout as JSON lines ({"event": ...}) for the orchestrator's progress bar.
+`--serve` keeps one worker up for many jobs (running.warm, for `orchestrate explore`): it reads
+one request per stdin line, answers each with an {"event": "exit"} line, and keeps the built
+model between jobs (ModelCache: only while its checksum is unchanged).
 Each timed utterance is also appended to utterances.jsonl in the job folder (flushed and
 fsynced before the next is timed), so a worker killed half-way loses nothing it measured:
 `orchestrate run --resume RUN` carries those records into a fresh worker (JobSpec.carried),
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import itertools
 import json
 import os
@@ -138,7 +142,66 @@ def _fault(phase: str, path: Path, timed: int = 0) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def run_job(job: JobSpec) -> ResultRecord:
+class ModelCache:
+    """The model of the last job, for the next one of the same ModelSpec (a warm worker).
+
+    Stacks of one job already share one model, so techniques must leave it as built; a
+    plugin that edits it in place would leak into every later job. A checksum of every
+    tensor (its sum and sum of squares, in float64) taken at build is compared before each
+    reuse; a changed model is built again, and a model without torch tensors (Piper's ONNX
+    graphs) is never reused.
+    """
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.model: Any = None
+        self.checksum: list[float] | None = None
+
+    def get(self, family: Any, spec: Any) -> Any:
+        key = spec.model_dump_json()
+        if self.key == key and self.model is not None:
+            if checksum(self.model) == self.checksum:
+                emit(
+                    "status",
+                    message=f"reusing {spec.preset} from the last job (checksum unchanged)",
+                )
+                return self.model
+            emit("status", message=f"{spec.preset} changed since the last job: building it again")
+        self.key = self.model = self.checksum = None
+        release()
+        emit("status", message=f"building {spec.preset} on {spec.device}")
+        model = family.build_model(spec)
+        self.checksum = checksum(model)
+        if self.checksum is not None:
+            self.key, self.model = key, model
+        return model
+
+
+def checksum(model: Any) -> list[float] | None:
+    """Sum and sum of squares of every tensor the model's torch modules hold, in float64
+    (milliseconds for 3.38B parameters on a GPU); None when it holds none."""
+    modules = [model] if isinstance(model, torch.nn.Module) else [
+        v for v in vars(model).values() if isinstance(v, torch.nn.Module)
+    ]  # fmt: skip
+    tensors = [t for m in modules for t in m.state_dict(keep_vars=True).values()]
+    if not tensors:
+        return None
+    with torch.no_grad():
+        sums = []
+        for t in tensors:
+            d = t.detach().double()
+            sums.append(torch.stack([d.sum(), d.square().sum()]).cpu())
+        return torch.cat(sums).tolist()
+
+
+def release() -> None:
+    """Free what the last job's engines held (CUDA graphs keep pools until collected)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     started = utcnow()
     family = get_family(job.model.family)
     out_dir = Path(job.output_dir)
@@ -147,8 +210,7 @@ def run_job(job: JobSpec) -> ResultRecord:
         for utt in utts:
             journal.append(name, utt.model_copy(update={"resumed": True}))
     _fault("build", out_dir)
-    emit("status", message=f"building {job.model.preset} on {job.model.device}")
-    model = family.build_model(job.model)
+    model = (models or ModelCache()).get(family, job.model)
     memory("model built")
     caps = DeviceCaps.probe(job.model.device)
     device = torch.device(job.model.device)
@@ -453,14 +515,25 @@ def _describe(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="orchestrate-worker", description=__doc__)
-    parser.add_argument("job", type=Path)
+    parser.add_argument("job", type=Path, nargs="?", help="job JSON (not with --serve)")
     parser.add_argument("--out", type=Path, help="result JSON path (default: next to the job)")
+    parser.add_argument("--serve", action="store_true", help="run the jobs stdin names")
     args = parser.parse_args(argv)
-    job = JobSpec.model_validate_json(args.job.read_text())
-    out = args.out or args.job.with_name(f"result-{job.job_id}.json")
     _fault_spec()  # a malformed hook fails before anything is built
+    if args.serve:
+        return serve()
+    if args.job is None:
+        parser.error("a job JSON, or --serve")
+    job = JobSpec.model_validate_json(args.job.read_text())
+    rc, _ = run_one(job, args.out or args.job.with_name(f"result-{job.job_id}.json"))
+    return rc
+
+
+def run_one(job: JobSpec, out: Path, models: ModelCache | None = None) -> tuple[int, bool]:
+    """Run `job` and write its result to `out`: (exit status, whether every stack that was
+    built ran without failing: after a failure a warm worker ends, see `serve`)."""
     try:
-        result = run_job(job)
+        result = run_job(job, models)
         _fault("result_write", out)
         result.write(out)
     except OSError as exc:
@@ -468,9 +541,38 @@ def main(argv: list[str] | None = None) -> int:
             raise
         out.with_name(out.name + ".partial").unlink(missing_ok=True)
         emit("error", message=disk_full(exc, out))
-        return 1
+        return 1, False
     emit("done", result=str(out), status=result.status)
-    return 0 if result.status != "failed" else 1
+    clean = all(r.status != "failed" for r in result.results)
+    return (0 if result.status != "failed" else 1), clean
+
+
+def serve() -> int:
+    """A warm worker: one request per stdin line, {"job", "out", "log"}; the job's stderr
+    goes to its own log, and an {"event": "exit", "rc"} line ends each answer. The built
+    model stays for the next job (ModelCache). After a job with a failed stack or an
+    exception this worker ends: a CUDA error can leave the process unusable, so the next
+    job gets a fresh one (running.warm starts it)."""
+    models, stderr = ModelCache(), os.dup(2)
+    for line in sys.stdin:
+        request = json.loads(line)
+        with open(request["log"], "a") as log:
+            sys.stderr.flush()
+            os.dup2(log.fileno(), 2)
+            try:
+                job = JobSpec.model_validate_json(Path(request["job"]).read_text())
+                rc, clean = run_one(job, Path(request["out"]), models)
+            except Exception:
+                traceback.print_exc()
+                rc, clean = 1, False
+            finally:
+                sys.stderr.flush()
+                os.dup2(stderr, 2)
+        emit("exit", rc=rc, last=not clean)
+        if not clean:
+            return rc or 1
+        release()
+    return 0
 
 
 def disk_full(exc: OSError, out: Path) -> str:

@@ -1,0 +1,179 @@
+"""The warm worker (running.warm): one process runs many jobs, keeps the built model only
+while its checksum holds, measures what a fresh worker measures, and a killed one is
+reported as a fresh worker's death would be, the next job getting a new process.
+
+Jobs use the tiny model on the CPU, 2 prompts x 1 seed, 4 frames, 4 fidelity steps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
+from orchestrate.api.protocol import load_protocol
+from orchestrate.running import worker
+from orchestrate.running.plan import plan_job
+from orchestrate.running.runner import Outcome, execute
+from orchestrate.running.warm import WarmWorker
+from orchestrate.store.store import Store
+
+WORKLOAD = Workload(
+    name="warm",
+    prompts=[Prompt(id="a", text="A short first sentence."), Prompt(id="b", text="And more.")],
+    seeds=[42],
+    warmups=1,
+    length_policy={"mode": "fixed", "frames": 4},
+    save_audio=2,
+)
+STOCK = StackSpec(name="stock")
+CACHED = StackSpec(name="cached", techniques=[TechniqueRef(name="static_kv_cache")])
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    # Pinned so the job identity does not move while others edit this tree.
+    monkeypatch.setenv("ORCHESTRATE_CODE_SHA", "3a573a573a573a573a573a573a573a573a573a57")
+    with Store(f"sqlite:///{tmp_path / 'o.db'}") as s:
+        yield s
+
+
+def run(store: Any, runs: Path, launch: Any, seed_shift: int = 0) -> Outcome:
+    wl = WORKLOAD.model_copy(update={"seeds": [42 + seed_shift]})
+    job = plan_job(
+        ModelSpec(preset="tiny"), wl, [STOCK, CACHED], load_protocol("protocol"), runs,
+        fidelity_steps=4,
+    )  # fmt: skip
+    return execute(job, store, runs, track=False, force=True, worker=launch)
+
+
+def events(outcome: Outcome) -> list[dict[str, Any]]:
+    assert outcome.result_path is not None
+    path = outcome.result_path.with_name("events.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def pid(outcome: Outcome, runs: Path) -> int:
+    return int((runs / outcome.result.job.job_id / "worker.pid").read_text())  # type: ignore[union-attr]
+
+
+def audio(outcome: Outcome) -> dict[str, bytes]:
+    assert outcome.result is not None and outcome.result_path is not None
+    folder = outcome.result_path.parent
+    return {
+        f"{r.stack.name}/{u.prompt_id}": (folder / u.audio_path).read_bytes()
+        for r in outcome.result.results
+        for u in r.utterances
+        if u.audio_path
+    }
+
+
+def test_jobs_share_one_process_and_measure_what_a_fresh_worker_measures(
+    store: Any, tmp_path: Path
+) -> None:
+    warm = WarmWorker(tmp_path / "runs")
+    try:
+        first = run(store, tmp_path / "runs", warm)
+        second = run(store, tmp_path / "runs", warm, seed_shift=1)
+    finally:
+        warm.close()
+    assert first.status == second.status == "finished", (first.error, second.error)
+    assert pid(first, tmp_path / "runs") == pid(second, tmp_path / "runs")
+    said = [e.get("message", "") for e in events(second) if e["event"] == "status"]
+    assert any(m.startswith("reusing tiny") for m in said), said
+    assert not any(m.startswith("building tiny") for m in said), said
+    # The same job in a fresh process writes the same audio, byte for byte.
+    fresh = run(store, tmp_path / "fresh", launch=_spawn(), seed_shift=1)
+    assert fresh.status == "finished", fresh.error
+    assert audio(fresh) == audio(second) and len(audio(second)) == 4
+    assert warm.proc is None  # closed
+
+
+def _spawn() -> Any:
+    from orchestrate.running.runner import spawn_worker
+
+    return spawn_worker
+
+
+def test_a_killed_warm_worker_is_reported_and_the_next_job_gets_a_fresh_one(
+    store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = tmp_path / "runs"
+    warm = WarmWorker(runs)
+    try:
+        monkeypatch.setenv("ORCHESTRATE_FAULT", "kill_at:warmup")  # the process inherits it
+        killed = run(store, runs, warm)
+        monkeypatch.delenv("ORCHESTRATE_FAULT")
+        after = run(store, runs, warm, seed_shift=1)
+    finally:
+        warm.close()
+    assert killed.status == "FAILED" and killed.result is None
+    assert killed.error is not None and killed.error.startswith("worker killed by SIGKILL")
+    assert store.get_run(killed.run_id, utterances=False)["status"] == "FAILED"
+    assert after.status == "finished", after.error
+    killed_pid = int((_job_dir(store, killed.run_id, runs) / "worker.pid").read_text())
+    assert killed_pid != pid(after, runs)
+
+
+def _job_dir(store: Any, run_id: str, runs: Path) -> Path:
+    return runs / store.get_run(run_id, utterances=False)["job_id"]
+
+
+@dataclass
+class Holder:
+    """A model as families build one: a plain object holding torch modules."""
+
+    net: torch.nn.Module
+    preset: str = "toy"
+
+
+class CountingFamily:
+    def __init__(self) -> None:
+        self.builds = 0
+
+    def build_model(self, spec: Any) -> Holder:
+        self.builds += 1
+        torch.manual_seed(0)
+        return Holder(torch.nn.Linear(4, 4))
+
+
+def test_a_model_edited_in_place_is_built_again(capsys: pytest.CaptureFixture[str]) -> None:
+    cache, family, spec = worker.ModelCache(), CountingFamily(), ModelSpec(preset="tiny")
+    first = cache.get(family, spec)
+    assert cache.get(family, spec) is first and family.builds == 1
+    with torch.no_grad():  # what a technique that quantizes the shared model in place does
+        first.net.weight[0, 0] += 1e-3
+    again = cache.get(family, spec)
+    assert again is not first and family.builds == 2
+    assert "changed since the last job" in capsys.readouterr().out
+    # Another model spec is another model.
+    assert cache.get(family, spec.model_copy(update={"init_seed": 1})) is not again
+    assert family.builds == 3
+
+
+def test_a_model_without_torch_tensors_is_never_reused() -> None:
+    class Onnxish:
+        builds = 0
+
+        def build_model(self, spec: Any) -> Any:
+            self.builds += 1
+            return type("M", (), {"graph": b"bytes"})()
+
+    cache, family = worker.ModelCache(), Onnxish()
+    cache.get(family, ModelSpec(preset="tiny"))
+    cache.get(family, ModelSpec(preset="tiny"))
+    assert family.builds == 2
+
+
+def test_the_checksum_sees_every_tensor_and_a_one_ulp_change() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    before = worker.checksum(net)
+    assert before is not None and len(before) == 2 * len(net.state_dict())
+    with torch.no_grad():
+        net[1].running_mean[1] = torch.nextafter(net[1].running_mean[1], torch.tensor(1.0))
+    assert worker.checksum(net) != before
