@@ -1,11 +1,12 @@
 # One autonomous exploration on the H200 within one device call (repo root, GPU host):
-#   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh; bash benchmarks/explore_h200.sh [--from STACK] [--budget 5m]
+#   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh; bash benchmarks/explore_h200.sh [--from STACK] [--budget 5m] [--per-job N]
+# Jobs run in one warm worker (the model is built once); `--fresh-worker` for one per job.
 # Real shape, random weights, the gpu-explore workload (3 prompts x seed 42, 24 frames) under
 # the manual gpu-explore protocol. The database comes back whole ($OUT/explore.db: every
 # candidate, run, decision and holdout audit); WAVs stay behind (too many files for one
 # call), so the report made from it says it has no listening pack.
 db=/tmp/explore.db
-timeout 450 python3 -m orchestrate.cli explore --model rumik-oss-1 --device cuda \
+timeout 560 python3 -m orchestrate.cli explore --model rumik-oss-1 --device cuda \
     --workload gpu-explore --protocol configs/protocols/gpu-explore.yaml \
     --proposer ladder --no-mlflow --db "sqlite:///$db" --runs-dir /tmp/explore-runs "$@" \
     2>&1 | tee "$OUT/explore.log"
