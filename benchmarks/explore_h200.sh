@@ -13,3 +13,6 @@ timeout 560 python3 -m orchestrate.cli explore --model rumik-oss-1 --device cuda
 python3 -m orchestrate.cli explorations --db "sqlite:///$db" 2>&1 | tee -a "$OUT/explore.log"
 cp "$db" "$OUT/explore.db"
 tail -5 /tmp/explore-runs/*/worker.log > "$OUT/explore-workers.log" 2>/dev/null
+# Each job's events (timestamped: where a job's minutes go), also of a job the timeout cut.
+mkdir -p "$OUT/events"
+for f in /tmp/explore-runs/*/events.jsonl; do cp "$f" "$OUT/events/$(basename "$(dirname "$f")").jsonl"; done
