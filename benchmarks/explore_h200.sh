@@ -6,10 +6,16 @@
 # candidate, run, decision and holdout audit); WAVs stay behind (too many files for one
 # call), so the report made from it says it has no listening pack.
 db=/tmp/explore.db
-timeout 560 python3 -m orchestrate.cli explore --model rumik-oss-1 --device cuda \
-    --workload gpu-explore --protocol configs/protocols/gpu-explore.yaml \
-    --proposer ladder --no-mlflow --db "sqlite:///$db" --runs-dir /tmp/explore-runs "$@" \
-    2>&1 | tee "$OUT/explore.log"
+# EXPLORE_DB: a recorded exploration's database to go on with (`--resume ID --budget T`).
+[ -n "$EXPLORE_DB" ] && cp "$EXPLORE_DB" "$db"
+if [ "$1" = "--resume" ]; then
+    args=("$@")
+else
+    args=(--model rumik-oss-1 --device cuda --workload gpu-explore
+          --protocol configs/protocols/gpu-explore.yaml --proposer ladder "$@")
+fi
+timeout "${EXPLORE_TIMEOUT:-560}" python3 -m orchestrate.cli explore "${args[@]}" --no-mlflow \
+    --db "sqlite:///$db" --runs-dir /tmp/explore-runs 2>&1 | tee "$OUT/explore.log"
 python3 -m orchestrate.cli explorations --db "sqlite:///$db" 2>&1 | tee -a "$OUT/explore.log"
 cp "$db" "$OUT/explore.db"
 tail -5 /tmp/explore-runs/*/worker.log > "$OUT/explore-workers.log" 2>/dev/null

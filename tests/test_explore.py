@@ -110,6 +110,18 @@ def test_a_budget_of_zero_or_nonsense_is_refused(text: str) -> None:
         parse_budget(text)
 
 
+def test_the_next_job_is_estimated_from_its_stacks(store: Store, tmp_path: Path) -> None:
+    """As on the H200 (c99671151348): two jobs of four stacks took 4.49 of 8.5 minutes; a
+    gate (two jobs of three stacks) fits, a dev job of ten does not."""
+    ex = explorer(store, tmp_path, [Ladder()], budget="8.5m")
+    ex.champion = StackSpec(name="exp74ish", techniques=[TechniqueRef(name="static_kv_cache")])
+    ex.elapsed0, ex.t0, ex.jobs = 269.4, time.monotonic(), 2
+    ex.stack_seconds = [134.7 / 4] * 2
+    assert ex._spent(2, ex._stacks(1)) is None  # 269 + 2 x 101 s < 510 s
+    why = ex._spent(1, ex._stacks(8))
+    assert why is not None and "a job of 10 stacks takes about" in why
+
+
 def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:
     budget = Budget(seconds=600, jobs=10)
     assert budget.spent(100, 3, next_job_s=60) is None
@@ -505,6 +517,16 @@ def test_stops_on_patience_and_on_budget(
     assert len(cands) == 4 and len(ex.s.submitter.jobs) == 1
     sent = [c for c in cands if c["decision"] == "remeasure"]
     assert sent and all("budget spent" in c["reason"] for c in sent)
+    # A resume with a new budget takes them on to their fresh remeasure, not back to dev.
+    more = explorer(store, tmp_path, [Ladder()], budget="2 jobs", exploration_id=ex.id)
+    assert more.run() == "budget spent: 2 of 2 jobs"
+    after = {c["id"]: c for c in store.list_candidates(ex.id)}
+    for c in sent:
+        phases = [step["phase"] for step in after[c["id"]]["steps"]]
+        assert phases[:3] == ["dev", "budget", "fresh"], phases  # then cut before the gate
+    assert len(more.s.submitter.jobs) == 1 and more.s.submitter.jobs[0].workload.name.endswith(
+        "@fresh"
+    )
     monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=True))
     ex = explorer(store, tmp_path, [Ladder()], target=1.3, per_job=1)  # the fake gate: 1.4x
     assert ex.run().startswith("target reached: champion static_kv_cache-")

@@ -587,8 +587,13 @@ def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
                             prompt, tokens[:8])  # fmt: skip
     assert rel_err(fused, plain) < 1e-5
     # the same without the SwiGLU + pack kernel: that kernel is what the default adds
-    no_swiglu = _teacher_forced(model, ["static_kv_cache", "int8_projections", "fused_rope_norm"],
-                                prompt, tokens[:8], fused_rope_norm={"swiglu": False})
+    no_swiglu = _teacher_forced(
+        model,
+        ["static_kv_cache", "int8_projections", "fused_rope_norm"],
+        prompt,
+        tokens[:8],
+        fused_rope_norm={"swiglu": False},
+    )
     assert rel_err(no_swiglu, fused) < 1e-5
     calls = []
     monkeypatch.setattr(sw, "swiglu_cat", lambda *a, **k: calls.append(1) or sw.swiglu_cat_ref(

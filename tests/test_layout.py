@@ -28,8 +28,11 @@ def _private_imports(path: Path) -> list[str]:
     for node in ast.walk(tree):
         # The project's own modules only: the OmniVoice family reuses a few private helpers
         # of the pinned `omnivoice` package on purpose (its loop, re-implemented draw for draw).
-        internal = node.module.startswith("orchestrate.") if isinstance(node, ast.ImportFrom) \
-            and node.module else False
+        internal = (
+            node.module.startswith("orchestrate.")
+            if isinstance(node, ast.ImportFrom) and node.module
+            else False
+        )
         if isinstance(node, ast.ImportFrom) and internal and node.level == 0:
             out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     return out

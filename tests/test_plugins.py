@@ -50,7 +50,11 @@ def cli(args: list[str], tmp: Path, site: Path) -> subprocess.CompletedProcess:
     }
     return subprocess.run(
         [sys.executable, "-m", "orchestrate.cli", *args],
-        env=env, cwd=tmp, capture_output=True, text=True, timeout=600,
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -100,20 +104,34 @@ def test_a_broken_plugin_is_listed_and_the_rest_still_run(tmp_path):
 
     # A stack naming the broken slot technique fails with the slot and the family named...
     (tmp_path / "bad.yaml").write_text("name: bad\nfamily: rumik\ntechniques: [{name: bad_slot}]\n")
-    bad = cli(["run", "--stack", str(tmp_path / "bad.yaml"), "--workload", "wl.yaml",
-               "--no-mlflow"], tmp_path, site)
+    bad = cli(
+        ["run", "--stack", str(tmp_path / "bad.yaml"), "--workload", "wl.yaml", "--no-mlflow"],
+        tmp_path,
+        site,
+    )
     assert bad.returncode == 2
     assert "bad_slot" in bad.stderr and "vocoder" in bad.stderr and "rumik" in bad.stderr
 
     # ...while a stack of built-ins still runs end to end beside the broken package.
-    ok = cli(["run", "--stack", "cpu-fast", "--workload", "wl.yaml", "--no-mlflow",
-              "--fidelity-steps", "4", "--json"], tmp_path, site)
+    ok = cli(
+        [
+            "run",
+            "--stack",
+            "cpu-fast",
+            "--workload",
+            "wl.yaml",
+            "--no-mlflow",
+            "--fidelity-steps",
+            "4",
+            "--json",
+        ],
+        tmp_path,
+        site,
+    )
     assert ok.returncode == 0, ok.stderr
     run = json.loads(ok.stdout)
     assert run["status"] == "FINISHED"
-    assert {s["name"]: s["status"] for s in run["stacks"]} == {
-        "stock": "ok", "cpu-fast": "ok"
-    }
+    assert {s["name"]: s["status"] for s in run["stacks"]} == {"stock": "ok", "cpu-fast": "ok"}
 
 
 TOY = {
@@ -222,17 +240,40 @@ def test_an_external_family_package_runs_end_to_end(tmp_path):
     toy = next(f for f in json.loads(fams.stdout) if f["name"] == "toy")
     assert toy["slots"] == ["tone"] and toy["baseline"] == "toy-stock"
 
-    explained = cli(["explain", str(tmp_path / "toy-fast.yaml"), "--model",
-                     str(tmp_path / "toy-small.yaml"), "--json"], tmp_path, site)
+    explained = cli(
+        [
+            "explain",
+            str(tmp_path / "toy-fast.yaml"),
+            "--model",
+            str(tmp_path / "toy-small.yaml"),
+            "--json",
+        ],
+        tmp_path,
+        site,
+    )
     assert explained.returncode == 0, explained.stderr
     (line,) = json.loads(explained.stdout)["slots"]
     assert line["slot"] == "tone" and line["filled_by"] == "cached_tone"
     assert line["stock"].endswith(":stock_tone") and "CachedTone.apply" in line["occupant"]
 
     # The family's own baseline and workload are the defaults: the CLI names no family.
-    ran = cli(["run", "--stack", str(tmp_path / "toy-fast.yaml"), "--baseline",
-               str(tmp_path / "toy-stock.yaml"), "--model", str(tmp_path / "toy-small.yaml"),
-               "--workload", "plug.yaml", "--no-mlflow", "--json"], tmp_path, site)
+    ran = cli(
+        [
+            "run",
+            "--stack",
+            str(tmp_path / "toy-fast.yaml"),
+            "--baseline",
+            str(tmp_path / "toy-stock.yaml"),
+            "--model",
+            str(tmp_path / "toy-small.yaml"),
+            "--workload",
+            "plug.yaml",
+            "--no-mlflow",
+            "--json",
+        ],
+        tmp_path,
+        site,
+    )
     assert ran.returncode == 0, ran.stderr
     run = json.loads(ran.stdout)
     assert [s["name"] for s in run["stacks"]] == ["toy-stock", "toy-fast"]

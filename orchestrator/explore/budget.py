@@ -35,11 +35,16 @@ class Budget:
         return " or ".join(parts)
 
     def spent(
-        self, elapsed_s: float, jobs: int, next_job_s: float | None = None, needs: int = 1
+        self,
+        elapsed_s: float,
+        jobs: int,
+        next_job_s: float | None = None,
+        needs: int = 1,
+        stacks: int | None = None,
     ) -> str | None:
         """Why the budget allows no further step of `needs` jobs (the gate runs two), or
-        None. `next_job_s`: what a job has taken so far (None before the first), so the last
-        step does not run past the time."""
+        None. `next_job_s`: what the next job should take, from the jobs so far (None before
+        the first), so the last step does not run past the time; `stacks`: in that job."""
         if self.jobs is not None and jobs + needs > self.jobs:
             more = f"; the next step needs {needs}" if needs > 1 and jobs < self.jobs else ""
             return f"budget spent: {jobs} of {self.jobs} jobs{more}"
@@ -48,9 +53,12 @@ class Budget:
         if elapsed_s >= self.seconds:
             return f"budget spent: {_duration(elapsed_s)} of {_duration(self.seconds)}"
         if next_job_s is not None and elapsed_s + needs * next_job_s > self.seconds:
+            what = "a job takes" if needs == 1 else f"{needs} jobs take"
+            if stacks is not None:
+                what = what.replace(" take", f" of {stacks} stacks take")
             return (
-                f"budget spent: {_duration(elapsed_s)} of {_duration(self.seconds)}, and a job "
-                f"takes about {_duration(next_job_s)}"
+                f"budget spent: {_duration(elapsed_s)} of {_duration(self.seconds)}, and "
+                f"{what} about {_duration(needs * next_job_s)}"
             )
         return None
 

@@ -89,7 +89,7 @@ class Explorer:
         self.champion = StackSpec.model_validate(row["champion"])
         self.elapsed0, self.jobs = row["elapsed_s"], row["jobs"]
         self.t0 = time.monotonic()
-        self.job_seconds: list[float] = []
+        self.stack_seconds: list[float] = []  # per job: its seconds over its stacks
         self.since_gain = _since_gain(row["candidates"])
         self.profile: dict[str, float] = {}
         self.hardware = row["hardware"]
@@ -109,11 +109,12 @@ class Explorer:
 
     def run(self) -> str:
         """Explore until a stop rule holds; returns why it stopped (also stored)."""
+        self._reopen_cut()
         self._after_round(self._finish_open())  # a killed session's round, where it stopped
         queues: dict[str, deque[Proposal]] = {p.name: deque() for p in self.s.proposers}
         exhausted: set[str] = set()
         while True:
-            if why := self._spent() or self._target_reached():
+            if why := self._spent(stacks=self._stacks(self.s.per_job)) or self._target_reached():
                 return self._stop(why)
             if self.since_gain >= self.s.patience:
                 return self._stop(
@@ -255,7 +256,7 @@ class Explorer:
                 live += [c for c in group if c["id"] not in ids]  # the combination, if any
             if not group:
                 continue
-            if phase == "fresh" and (why := self._spent()):
+            if phase == "fresh" and (why := self._spent(stacks=self._stacks(len(group)))):
                 done += [self._not_run(c, phase, why) for c in group]
                 live = [c for c in live if c not in group]
                 continue
@@ -317,7 +318,7 @@ class Explorer:
                 )
                 done.append(self._not_run(cand, "gate", why, "superseded"))
                 continue
-            if why := self._spent(2):  # the gate: a remeasure and the holdout
+            if why := self._spent(2, self._stacks(1)):  # the gate: a remeasure, the holdout
                 done.append(self._not_run(cand, "gate", why))
                 continue
             step = self._gate(cand)
@@ -408,7 +409,7 @@ class Explorer:
         except (ProtocolError, HoldoutError, StackError, ScoringError, HoldoutLeak) as exc:
             step = Step("gate", "error", f"the gate failed: {exc}")
         ran = 1 + bool(report and report.get("holdout_run"))  # its remeasure, its holdout
-        self._count_jobs(ran, time.monotonic() - started)
+        self._count_jobs(ran, time.monotonic() - started, self._stacks(1))
         return step
 
     def _regate(self, cand: dict[str, Any]) -> Step:
@@ -465,12 +466,16 @@ class Explorer:
     def _submit(self, submission: Submission) -> Outcome:
         started = time.monotonic()
         (outcome,) = self.s.submitter.submit([submission])
-        self._count_jobs(1, time.monotonic() - started)
+        self._count_jobs(1, time.monotonic() - started, len(submission.job.stacks))
         return outcome
 
-    def _count_jobs(self, n: int, seconds: float) -> None:
+    def _stacks(self, candidates: int) -> int:
+        """Stacks in a job of `candidates`: stock and the champion come with them."""
+        return 1 + (not jobs.same(self.champion, self.s.stock)) + candidates
+
+    def _count_jobs(self, n: int, seconds: float, stacks: int) -> None:
         self.jobs += n
-        self.job_seconds += [seconds / max(n, 1)] * n
+        self.stack_seconds += [seconds / max(n, 1) / max(stacks, 1)] * n
         self.s.store.update_exploration(self.id, jobs=self.jobs, elapsed_s=self._elapsed())
 
     def _recover(self, group: list[dict[str, Any]], phase: str) -> Outcome | None:
@@ -598,6 +603,19 @@ class Explorer:
 
     # --------------------------------------------------------------------- resuming
 
+    def _reopen_cut(self) -> None:
+        """Candidates an earlier session's budget stopped on their way to fresh or the gate
+        go on (a resume with a new --budget), if the champion is still their parent: their
+        numbers were measured against it. Their `budget` step stays in their history."""
+        parent = self.champion.content_hash()
+        for cand in self.s.store.list_candidates(self.id):
+            last = cand["steps"][-1] if cand["steps"] else None
+            cut = last is not None and last["phase"] == "budget" and cand["status"] == "decided"
+            if cut and cand["decision"] in NEXT_PHASE and cand["parent_hash"] == parent:
+                self.s.store.update_candidate(cand["id"], status="open", decided_at=None)
+                where = NEXT_PHASE[cand["decision"]]
+                self.s.say(f"#{cand['seq']}: the budget stopped it; going on to {where}")
+
     def _finish_open(self) -> list[dict[str, Any]]:
         """Carry the open candidates of a killed session on from where their journals stop,
         as one round; returns them decided."""
@@ -644,9 +662,13 @@ class Explorer:
     def _elapsed(self) -> float:
         return self.elapsed0 + (time.monotonic() - self.t0)
 
-    def _spent(self, needs: int = 1) -> str | None:
-        per_job = statistics.fmean(self.job_seconds) if self.job_seconds else None
-        return self.s.budget.spent(self._elapsed(), self.jobs, per_job, needs)
+    def _spent(self, needs: int = 1, stacks: int = 1) -> str | None:
+        """Why the budget allows no further `needs` jobs of `stacks` stacks each, or None.
+        A job's time is estimated per stack (a dev job of five stacks costs about 5/3 of a
+        gate job of three), from the jobs so far."""
+        per_stack = statistics.fmean(self.stack_seconds) if self.stack_seconds else None
+        next_job = None if per_stack is None else per_stack * stacks
+        return self.s.budget.spent(self._elapsed(), self.jobs, next_job, needs, stacks)
 
     def _stop(self, why: str) -> str:
         self.close("FINISHED", why)
