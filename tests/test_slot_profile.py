@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import require_or_skip
 
 from orchestrate.api.config import (
@@ -115,6 +116,29 @@ def test_worker_stores_slot_ms_only_when_asked(rumik, tiny_model, smoke, tmp_pat
             raise RuntimeError("no timer here")
 
     assert worker._slot_metrics(asked, Broken(), engines, results, smoke) == {}
+
+
+def test_worker_counts_launches_of_the_stacks_the_job_names(smoke):
+    """count_launches: None counts every stack, a list only those (an exploration's dev job
+    names its candidates: stock's count is the same in every job and the slowest to take)."""
+
+    class Counting:
+        def __init__(self):
+            self.counted = []
+
+        def launches_per_step(self, engine, text, seed, wl):
+            self.counted.append(engine)
+            return {"launches_per_step": 1.0}
+
+    results = {n: StackResult(stack=StackSpec(name=n), status="ok") for n in ("stock", "c")}
+    engines = {"stock": "stock-engine", "c": "c-engine"}
+    cuda = torch.device("cuda")  # the counter only runs on a GPU; this fake needs none
+    family = Counting()
+    out = worker._launch_metrics(family, engines, results, smoke, cuda)
+    assert set(out) == {"stock", "c"} and family.counted == ["stock-engine", "c-engine"]
+    family = Counting()
+    out = worker._launch_metrics(family, engines, results, smoke, cuda, ["c"])
+    assert set(out) == {"c"} and family.counted == ["c-engine"]
 
 
 # ------------------------------------------------------------------ OmniVoice, on CPU

@@ -461,7 +461,10 @@ class Explorer:
         # Per-slot times of the champion, for a proposer that reads the profile (`profile`);
         # measured after the timed rounds, so the headline is the same either way.
         wants = phase == "dev" and any(p.name == "profile" for p in self.s.proposers)
-        return job.model_copy(update={"profile_slots": True}) if wants else job
+        # Kernel counts of the candidates only: stock's and the champion's are the same in
+        # every job, and counting a host-bound loop costs more than timing it.
+        counts = [spec.name for spec in specs]
+        return job.model_copy(update={"profile_slots": wants, "count_launches": counts})
 
     def _submit(self, submission: Submission) -> Outcome:
         started = time.monotonic()

@@ -307,7 +307,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     for res in results.values():  # carried and new in the rotation's order
         res.utterances.sort(key=lambda u: u.round)
 
-    launches = _launch_metrics(family, engines, results, wl, device)
+    launches = _launch_metrics(family, engines, results, wl, device, job.count_launches)
     slot_ms = _slot_metrics(job, family, engines, results, wl)
     env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
     for name, res in results.items():
@@ -454,15 +454,18 @@ def _launch_metrics(
     results: dict[str, StackResult],
     wl: Any,
     device: torch.device,
+    job_counts: list[str] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """kernels_per_step and launches_per_step per stack (GPU only), after the timed rounds
-    so the profiler cannot disturb them. A failed count is reported, not fatal."""
+    """kernels_per_step and launches_per_step per stack (GPU only; the stacks the job names
+    in count_launches, or all), after the timed rounds so the profiler cannot disturb them.
+    A failed count is reported, not fatal."""
     count = getattr(family, "launches_per_step", None)
     if count is None or device.type != "cuda":
         return {}
     out: dict[str, dict[str, float]] = {}
+    wanted = job_counts if job_counts is not None else list(engines)
     for name, engine in engines.items():
-        if results[name].status == "failed":
+        if results[name].status == "failed" or name not in wanted:
             continue
         emit("status", message=f"counting kernel launches per step: {name}")
         try:
