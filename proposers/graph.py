@@ -82,6 +82,37 @@ def _insert(stack: StackSpec, name: str, catalogue: dict[str, dict[str, Any]]) -
     return None
 
 
+def conflicting(stack: StackSpec, name: str, catalogue: dict[str, dict[str, Any]]) -> list[str]:
+    """The techniques of `stack` that `name` conflicts with, whichever side declares it."""
+    declared = set(catalogue.get(name, {}).get("conflicts", []))
+    return [
+        t for t in names(stack)
+        if t in declared or name in catalogue.get(t, {}).get("conflicts", [])
+    ]  # fmt: skip
+
+
+def instead(
+    stack: StackSpec,
+    name: str,
+    catalogue: dict[str, dict[str, Any]],
+    caps: list[str] | None = None,
+) -> tuple[StackSpec, list[str]] | None:
+    """`stack` with `name` in place of the techniques it conflicts with (and those that
+    need them), as `extend` adds it; (the stack, what it took out), or None when `name`
+    conflicts with nothing there or does not fit even then. Two ways of doing one job (a
+    per-token graph and a captured loop) are a swap, which one more technique cannot be."""
+    gone = conflicting(stack, name, catalogue)
+    base: StackSpec | None = stack
+    for t in gone:
+        base = without(base, t, catalogue) if base is not None else None
+    if not gone or base is None:
+        return None
+    grown = extend(base, name, catalogue, caps)
+    if grown is None:
+        return None
+    return grown, [t for t in names(stack) if t not in names(base)]
+
+
 def without(stack: StackSpec, name: str, catalogue: dict[str, dict[str, Any]]) -> StackSpec | None:
     """`stack` without `name` and without every technique that needs it (`after`, through
     any chain), or None when what is left does not validate."""

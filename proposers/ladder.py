@@ -6,7 +6,10 @@ and that the registry accepts at some place in the stack (no conflict). A techni
 needs others (`after`) the champion lacks brings them along ("+graph_loop (with
 static_kv_cache, device_sampler)"): otherwise a loop that needs a cache is never tried
 from stock, and the largest single step of both write-ups is out of the ladder's reach.
-Decoding knobs (techniques claiming only `knob.*` slots) are left to `params`.
+A technique that conflicts with one the champion has takes its place ("+graph_loop (with
+device_sampler; instead of cuda_graph)"): the write-ups went from a per-token CUDA graph to a
+captured decode loop, which a ladder that only adds would never reach. Decoding knobs
+(techniques claiming only `knob.*` slots) are left to `params`.
 
 Cheapest expected gain first, by a static prior, as both write-ups climbed their ladders:
 exact techniques before approximate ones (they need no quality judgement), fewer device
@@ -26,7 +29,10 @@ from orchestrate.proposers import graph
 
 class Ladder(Proposer):
     name = "ladder"
-    summary = "the champion plus one technique (slots, requires, after, device); exact first"
+    summary = (
+        "the champion plus one technique (slots, requires, after, device), or in place of "
+        "those it conflicts with; exact first"
+    )
 
     def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
         tried = state.tried_keys() | {technique_key(state.champion)}
@@ -36,13 +42,21 @@ class Ladder(Proposer):
             if _knob_only(meta) or not graph.runs_here(meta, state.device_caps):
                 continue
             stack = graph.extend(state.champion, name, state.catalogue, state.device_caps)
+            gone: list[str] = []
+            if stack is None:
+                swap = graph.instead(state.champion, name, state.catalogue, state.device_caps)
+                stack, gone = swap if swap is not None else (None, [])
             if stack is None or technique_key(stack) in tried:
                 continue
-            needs = graph.needs_of(state.champion, name, state.catalogue)
+            had = graph.names(state.champion)
+            needs = [t for t in graph.names(stack) if t not in had and t != name]
             kind = "exact" if _exact(state, [*needs, name]) else "approximate"
             slots = ", ".join(meta["slots"] + meta["wraps"]) or "-"
             why = f"{kind}, slot {slots}: {meta['summary']}"
-            change = f"+{name}" + (f" (with {', '.join(needs)})" if needs else "")
+            notes = ([f"with {', '.join(needs)}"] if needs else []) + (
+                [f"instead of {', '.join(gone)}"] if gone else []
+            )
+            change = f"+{name}" + (f" ({'; '.join(notes)})" if notes else "")
             out.append(Proposal(stack=stack, change=change, reason=why))
             if len(out) == n:
                 break

@@ -608,6 +608,26 @@ def test_ladder_and_ablation_walk_the_technique_graph() -> None:
     champion = StackSpec(name="c", techniques=[TechniqueRef(name="static_kv_cache")])
     view = ExplorationState("rumik", "cpu", caps, champion, None, STOCK, 1.05, cat)
     assert "+packed_projections" in [p.change for p in Ladder().propose(view, 10)]
+    # A conflict is a swap: from a per-token graph the captured loop takes its place (the
+    # write-ups' step), and back again; a slot already filled is not (audio -> codebook head).
+    gpu = ["cuda", "package:cuda.bindings", "package:triton", "sm90"]
+    graphed = StackSpec(
+        name="g", techniques=[TechniqueRef(name=n) for n in ("static_kv_cache", "cuda_graph")]
+    )
+    view = ExplorationState("rumik", "cuda", gpu, graphed, None, STOCK, 1.05, cat)
+    offered = {p.change: [t.name for t in p.stack.techniques] for p in Ladder().propose(view, 20)}
+    assert offered["+graph_loop (with device_sampler; instead of cuda_graph)"] == [
+        "static_kv_cache", "device_sampler", "graph_loop",
+    ]  # fmt: skip
+    assert "+while_graph (with device_sampler; instead of cuda_graph)" in offered
+    looped = StackSpec(name="l", techniques=[TechniqueRef(name=n) for n in offered[
+        "+graph_loop (with device_sampler; instead of cuda_graph)"]])  # fmt: skip
+    view = ExplorationState("rumik", "cuda", gpu, looped, None, STOCK, 1.05, cat)
+    back = {p.change: [t.name for t in p.stack.techniques] for p in Ladder().propose(view, 20)}
+    assert back["+cuda_graph (instead of graph_loop)"] == [
+        "static_kv_cache", "device_sampler", "cuda_graph",
+    ]  # fmt: skip
+    assert not any("instead of" in c for c in offered if "head" in c)
     cpu_fast = StackSpec(
         name="cf",
         techniques=[

@@ -177,3 +177,26 @@ def test_the_checksum_sees_every_tensor_and_a_one_ulp_change() -> None:
     with torch.no_grad():
         net[1].running_mean[1] = torch.nextafter(net[1].running_mean[1], torch.tensor(1.0))
     assert worker.checksum(net) != before
+
+
+def test_a_worker_whose_job_failed_ends_and_the_next_job_gets_a_fresh_one(
+    store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the result (the worker's answer is an error, not a death): the warm
+    worker says it is its last job and exits, as after any failure (a CUDA error can leave
+    a process unusable); the next job runs in a new process."""
+    runs = tmp_path / "runs"
+    warm = WarmWorker(runs)
+    try:
+        monkeypatch.setenv("ORCHESTRATE_FAULT", "enospc_at:result_write")
+        failed = run(store, runs, warm)
+        assert warm.proc is None  # reaped: it ended after that job
+        monkeypatch.delenv("ORCHESTRATE_FAULT")
+        after = run(store, runs, warm, seed_shift=1)
+    finally:
+        warm.close()
+    assert failed.status == "FAILED" and failed.error is not None
+    assert "no space left on device" in failed.error
+    assert after.status == "finished", after.error
+    failed_pid = int((_job_dir(store, failed.run_id, runs) / "worker.pid").read_text())
+    assert failed_pid != pid(after, runs)
