@@ -107,8 +107,8 @@ class JobSpec(Record):
         False, description="Also time each stack's slots (metrics slot_ms.<slot>, ms per step)."
     )
     # Not part of the identity either, for the same reason. Counting a host-bound loop under
-    # the profiler is slow (stock at real shape: ~25 s a job on the H200), and an
-    # exploration's dev and fresh jobs need the counts of their candidates only.
+    # the profiler is slow (stock at real shape: ~25 s a job on the H200); an exploration's
+    # dev and fresh jobs count none (no decision reads the counts).
     count_launches: list[str] | None = Field(
         None, description="Stacks whose kernels and launches per step are counted (None: all)."
     )

@@ -461,10 +461,10 @@ class Explorer:
         # Per-slot times of the champion, for a proposer that reads the profile (`profile`);
         # measured after the timed rounds, so the headline is the same either way.
         wants = phase == "dev" and any(p.name == "profile" for p in self.s.proposers)
-        # Kernel counts of the candidates only: stock's and the champion's are the same in
-        # every job, and counting a host-bound loop costs more than timing it.
-        counts = [spec.name for spec in specs]
-        return job.model_copy(update={"profile_slots": wants, "count_launches": counts})
+        # No kernel counts in dev and fresh jobs: no decision reads them, and under the
+        # profiler a host-bound loop (stock, and every candidate without a captured loop)
+        # took 20-27 s a stack on the H200, more than timing it. The gate's jobs count all.
+        return job.model_copy(update={"profile_slots": wants, "count_launches": []})
 
     def _submit(self, submission: Submission) -> Outcome:
         started = time.monotonic()
