@@ -170,6 +170,25 @@ def test_a_model_without_torch_tensors_is_never_reused() -> None:
     assert family.builds == 2
 
 
+def test_a_model_without_attributes_is_never_reused() -> None:
+    """A third-party family's model may be a tuple or a __slots__ object: built afresh."""
+
+    class Slotted:
+        __slots__ = ("net",)
+
+    class Family:
+        builds = 0
+
+        def build_model(self, spec: Any) -> Any:
+            self.builds += 1
+            return (torch.nn.Linear(2, 2),) if self.builds % 2 else Slotted()
+
+    cache, family = worker.ModelCache(), Family()
+    for _ in range(3):
+        cache.get(family, ModelSpec(preset="tiny"))
+    assert family.builds == 3 and worker.checksum(Slotted()) is None
+
+
 def test_the_checksum_sees_every_tensor_and_a_one_ulp_change() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     before = worker.checksum(net)

@@ -169,20 +169,30 @@ class ModelCache:
             emit("status", message=f"{spec.preset} changed since the last job: building it again")
         self.key = self.model = self.checksum = None
         release()
-        emit("status", message=f"building {spec.preset} on {spec.device}")
-        model = family.build_model(spec)
+        model = build(family, spec)
         self.checksum = checksum(model)
         if self.checksum is not None:
             self.key, self.model = key, model
         return model
 
 
+def build(family: Any, spec: Any) -> Any:
+    emit("status", message=f"building {spec.preset} on {spec.device}")
+    return family.build_model(spec)
+
+
 def checksum(model: Any) -> list[float] | None:
     """Sum and sum of squares of every tensor the model's torch modules hold, in float64
-    (milliseconds for 3.38B parameters on a GPU); None when it holds none."""
-    modules = [model] if isinstance(model, torch.nn.Module) else [
-        v for v in vars(model).values() if isinstance(v, torch.nn.Module)
-    ]  # fmt: skip
+    (milliseconds for 3.38B parameters on a GPU); None when it holds none, or is not an
+    object with attributes (a third-party family's model may be anything)."""
+    if isinstance(model, torch.nn.Module):
+        modules = [model]
+    else:
+        try:
+            fields = vars(model).values()
+        except TypeError:  # no __dict__: __slots__, a tuple, a C object
+            return None
+        modules = [v for v in fields if isinstance(v, torch.nn.Module)]
     tensors = [t for m in modules for t in m.state_dict(keep_vars=True).values()]
     if not tensors:
         return None
@@ -210,7 +220,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
         for utt in utts:
             journal.append(name, utt.model_copy(update={"resumed": True}))
     _fault("build", out_dir)
-    model = (models or ModelCache()).get(family, job.model)
+    model = build(family, job.model) if models is None else models.get(family, job.model)
     memory("model built")
     caps = DeviceCaps.probe(job.model.device)
     device = torch.device(job.model.device)
