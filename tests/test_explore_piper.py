@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from factories import run_cli
@@ -64,28 +65,41 @@ speed:
 """
 
 
-def test_explore_on_piper_rejects_a_faster_stack_on_real_quality(tmp_path: Path) -> None:
-    (tmp_path / "wl.yaml").write_text(WORKLOAD)
-    (tmp_path / "holdout.yaml").write_text(HOLDOUT)
-    (tmp_path / "protocol.yaml").write_text(PROTOCOL)
-    env = {
-        **os.environ,
-        "ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'o.db'}",
-        "PYTHONUNBUFFERED": "1",
-    }
+def explore(tmp_path: Path, attempt: int) -> tuple[dict[str, Any], str, str]:
+    """One exploration in its own database: (its row, the database URL, stderr's tail)."""
+    url = f"sqlite:///{tmp_path / f'o{attempt}.db'}"
+    env = {**os.environ, "ORCHESTRATE_DB_URL": url, "PYTHONUNBUFFERED": "1"}
     args = ["explore", "--model", "piper-joe", "--workload", "wl.yaml", "--protocol",
             "protocol.yaml", "--holdout", "holdout.yaml", "--proposer", "ladder",
             "--budget", "12m, 8 jobs", "--no-mlflow", "--json"]  # fmt: skip
     out = run_cli(args, env, tmp_path, timeout=1000)
     assert out.returncode == 0, out.stderr[-4000:]
-    row = json.loads(out.stdout)
-    assert row["status"] == "FINISHED" and row["stop_reason"], out.stderr[-4000:]
+    return json.loads(out.stdout), url, out.stderr[-4000:]
+
+
+def judged_on_quality(cands: list[dict[str, Any]]) -> bool:
+    return any(c["decision"] == "retain" and "FAIL Δ" in c["steps"][-1]["reason"] for c in cands)
+
+
+def test_explore_on_piper_rejects_a_faster_stack_on_real_quality(tmp_path: Path) -> None:
+    (tmp_path / "wl.yaml").write_text(WORKLOAD)
+    (tmp_path / "holdout.yaml").write_text(HOLDOUT)
+    (tmp_path / "protocol.yaml").write_text(PROTOCOL)
+    row, url, stderr = explore(tmp_path, 1)
+    # Piper's clips take tens of milliseconds, so one scheduler hiccup on a 2-core machine
+    # makes a job noisy, and a noisy remeasure stops int8_static before the holdout (as it
+    # must). Only then, and once, the exploration runs again; the assertions below are on
+    # that run, and a candidate that reaches the gate must still be judged on quality.
+    noisy = any("noisy" in s["reason"] for c in row["candidates"] for s in c["steps"])
+    if noisy and not judged_on_quality(row["candidates"]):
+        row, url, stderr = explore(tmp_path, 2)
+    assert row["status"] == "FINISHED" and row["stop_reason"], stderr
     cands = row["candidates"]
     assert all(c["status"] == "decided" and c["reason"] for c in cands)
     gated = [c for c in cands if c["decision"] in ("accept", "retain")]
     # Something approximate was faster beyond the bar and reached the gate ...
     retained = [c for c in gated if c["decision"] == "retain"]
-    assert retained, out.stderr[-4000:]
+    assert retained, stderr
     for c in retained:
         assert c["quality_path"] == decisions.QUALITY  # judged by real scores, not fidelity
         gate_step = c["steps"][-1]
@@ -97,7 +111,7 @@ def test_explore_on_piper_rejects_a_faster_stack_on_real_quality(tmp_path: Path)
     for c in gated:
         if c["decision"] == "accept":
             assert row["champion"]["name"] == c["stack_name"]
-    with Store(env["ORCHESTRATE_DB_URL"]) as store:
+    with Store(url) as store:
         ledger = {f["stack_name"]: f for f in store.list_failures()}
         assert all(ledger[c["stack_name"]]["cause"] == "gate" for c in retained)
         audits = store.list_holdout_audits("pipx")

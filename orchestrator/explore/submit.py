@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from orchestrate.api.records import JobSpec
 from orchestrate.research import decide
-from orchestrate.running.runner import Outcome, comparisons, execute, spawn_worker
+from orchestrate.running.runner import Outcome, comparisons, execute
 from orchestrate.running.warm import WarmWorker
 
 
@@ -80,7 +80,7 @@ class LocalSubmitter:
             force=force,
             on_event=self.on_event,
             recordings_from=s.recordings_from,
-            worker=self.warm or spawn_worker,
+            worker=self.warm,
         )
         outcome = run(s.force)
         if not outcome.reused:

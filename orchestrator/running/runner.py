@@ -238,11 +238,12 @@ def execute(
     force: bool = False,
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     recordings_from: Path | None = None,
-    worker: WorkerLaunch = spawn_worker,
+    worker: WorkerLaunch | None = None,
 ) -> Outcome:
     """Run `job` in a worker and record it. `recordings_from`: a resumed job's old folder,
     whose WAVs of the carried utterances are linked (or copied) into the new one first.
-    `worker`: a fresh process per job (spawn_worker), or one kept warm (running.warm)."""
+    `worker`: a fresh process per job (spawn_worker, the default), or one kept warm
+    (running.warm)."""
     ident = job_identity(job)
     prev = None if force else store.find_run_by_identity(ident)
     # A noisy run is never served back as the measurement: this job measures afresh.
@@ -264,7 +265,7 @@ def execute(
     run_id = store.begin_run(job, ident)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        rc = worker(job_path, result_path, log_path, on_event)
+        rc = (worker or spawn_worker)(job_path, result_path, log_path, on_event)
         if not result_path.exists():
             raise WorkerFailed(describe_exit(rc, log_path))
         result = ResultRecord.read(result_path)
