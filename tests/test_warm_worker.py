@@ -19,7 +19,7 @@ from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, W
 from orchestrate.api.protocol import load_protocol
 from orchestrate.running import worker
 from orchestrate.running.plan import plan_job
-from orchestrate.running.runner import Outcome, execute
+from orchestrate.running.runner import Outcome, execute, spawn_worker
 from orchestrate.running.warm import WarmWorker
 from orchestrate.store.store import Store
 
@@ -43,12 +43,12 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         yield s
 
 
-def run(store: Any, runs: Path, launch: Any, seed_shift: int = 0) -> Outcome:
+def run(store: Any, runs: Path, launch: Any, seed_shift: int = 0, **update: Any) -> Outcome:
     wl = WORKLOAD.model_copy(update={"seeds": [42 + seed_shift]})
     job = plan_job(
         ModelSpec(preset="tiny"), wl, [STOCK, CACHED], load_protocol("protocol"), runs,
         fidelity_steps=4,
-    )  # fmt: skip
+    ).model_copy(update=update)  # fmt: skip
     return execute(job, store, runs, track=False, force=True, worker=launch)
 
 
@@ -88,16 +88,10 @@ def test_jobs_share_one_process_and_measure_what_a_fresh_worker_measures(
     assert any(m.startswith("reusing tiny") for m in said), said
     assert not any(m.startswith("building tiny") for m in said), said
     # The same job in a fresh process writes the same audio, byte for byte.
-    fresh = run(store, tmp_path / "fresh", launch=_spawn(), seed_shift=1)
+    fresh = run(store, tmp_path / "fresh", launch=spawn_worker, seed_shift=1)
     assert fresh.status == "finished", fresh.error
     assert audio(fresh) == audio(second) and len(audio(second)) == 4
     assert warm.proc is None  # closed
-
-
-def _spawn() -> Any:
-    from orchestrate.running.runner import spawn_worker
-
-    return spawn_worker
 
 
 def test_a_killed_warm_worker_is_reported_and_the_next_job_gets_a_fresh_one(
@@ -219,3 +213,18 @@ def test_a_worker_whose_job_failed_ends_and_the_next_job_gets_a_fresh_one(
     assert after.status == "finished", after.error
     failed_pid = int((_job_dir(store, failed.run_id, runs) / "worker.pid").read_text())
     assert failed_pid != pid(after, runs)
+
+
+def test_a_job_planned_on_other_code_gets_a_fresh_process(store: Any, tmp_path: Path) -> None:
+    """The process runs the code it imported; a job whose identity names other code (the
+    tree was edited between jobs) must not be measured with the old."""
+    runs = tmp_path / "runs"
+    warm = WarmWorker(runs)
+    try:
+        first = run(store, runs, warm)
+        same = run(store, runs, warm, seed_shift=1)
+        edited = run(store, runs, warm, seed_shift=2, code_diff_hash="edited-since")
+    finally:
+        warm.close()
+    assert {first.status, same.status, edited.status} == {"finished"}
+    assert pid(first, runs) == pid(same, runs) != pid(edited, runs)

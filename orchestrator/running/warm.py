@@ -2,15 +2,17 @@
 
 A fresh worker per job pays, every job, for the imports, the model build (3.38B random
 parameters) and the process's first-call costs (cuBLAS, allocator, the codec's first
-pass), which land on whichever stack warms up first: about a minute of a 1.75-minute job
-on the H200. `WarmWorker` is a drop-in for runner.spawn_worker (execute(..., worker=...)):
+pass), which land on whichever stack warms up first: on the H200 a job of four stacks took
+145 s cold and 105 s warm (benchmarks/h200/issue13-explore-exp74-s8-events).
+`WarmWorker` is a drop-in for runner.spawn_worker (execute(..., worker=...)):
 the same arguments, the same events, logs and exit status, from one process
 (`worker --serve`) that keeps the built model while its checksum holds (worker.ModelCache).
 
 What is measured does not change: every job still builds its engines, warms every stack up
 outside the timer and times them interleaved. A job that ends the worker (a kill, a crash,
 a failed stack) is reported as spawn_worker would report it, and the next job starts a
-fresh worker.
+fresh worker. So does a job planned on other code (commit, uncommitted changes, technique
+sources) than the one the process imported: a job's identity names the code it ran.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class WarmWorker:
     def __init__(self, log_dir: Path) -> None:
         self.log_path = log_dir / "warm-worker.log"  # its stderr outside any job
         self.proc: subprocess.Popen[str] | None = None
-        self.jobs = 0  # jobs the current process has run
+        self.code: str | None = None  # the code identity of the process's first job
 
     def __call__(
         self,
@@ -45,7 +47,10 @@ class WarmWorker:
         log_path: Path,
         on_event: Callable[[dict[str, Any]], None],
     ) -> int:
-        proc = self._process()
+        code = _code_of(job_path)
+        if self.proc is not None and code != self.code:
+            self.close()  # the tree changed since it imported it
+        proc = self._process(code)
         with suppress(OSError):  # for describe_exit (was it the OOM killer?) and tests
             job_path.with_name("worker.pid").write_text(f"{proc.pid}\n")
         request = {"job": str(job_path), "out": str(result_path), "log": str(log_path)}
@@ -62,7 +67,6 @@ class WarmWorker:
             if answer is None:  # no exit line: the process died during the job
                 return self._ended(proc, log_path)
             rc, last = answer
-            self.jobs += 1
             if last:  # it ends after a failed job (worker.serve): the next gets a fresh one
                 self._reap()
             return rc
@@ -88,7 +92,7 @@ class WarmWorker:
 
     # ------------------------------------------------------------------------ internals
 
-    def _process(self) -> subprocess.Popen[str]:
+    def _process(self, code: str) -> subprocess.Popen[str]:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +105,7 @@ class WarmWorker:
                 text=True,
                 preexec_fn=die_with_parent(),
             )
-        self.jobs = 0
+        self.code = code
         return self.proc
 
     @staticmethod
@@ -144,3 +148,10 @@ class WarmWorker:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _code_of(job_path: Path) -> str:
+    """The code a job was planned on, as its identity names it (runner.job_identity)."""
+    job = json.loads(job_path.read_text())
+    keys = ("code_sha", "code_dirty", "code_diff_hash", "technique_code")
+    return json.dumps({k: job.get(k) for k in keys}, sort_keys=True)
