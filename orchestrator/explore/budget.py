@@ -53,9 +53,8 @@ class Budget:
         if elapsed_s >= self.seconds:
             return f"budget spent: {_duration(elapsed_s)} of {_duration(self.seconds)}"
         if next_job_s is not None and elapsed_s + needs * next_job_s > self.seconds:
-            what = "a job takes" if needs == 1 else f"{needs} jobs take"
-            if stacks is not None:
-                what = what.replace(" take", f" of {stacks} stacks take")
+            size = "" if stacks is None else f" of {stacks} stacks"
+            what = f"a job{size} takes" if needs == 1 else f"{needs} jobs{size} take"
             return (
                 f"budget spent: {_duration(elapsed_s)} of {_duration(self.seconds)}, and "
                 f"{what} about {_duration(needs * next_job_s)}"

@@ -6,14 +6,19 @@ sealed holdout, scoring, and accept (new champion) or retain, with the evidence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrate.api import protocol as proto
 from orchestrate.api.config import ModelSpec, StackSpec, Workload, load_stack
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.registry import StackError, get_family
 from orchestrate.running import metrics
+
+if TYPE_CHECKING:
+    from orchestrate.api.records import JobSpec
+    from orchestrate.running.runner import Outcome
 
 
 def _headline(stored: dict[str, float]) -> dict[str, float]:
@@ -39,7 +44,7 @@ def run_gate(
     allow_reuse: bool = False,
     holdout_file: Path | None = None,
     on_event: Any = None,
-    submit: Any = None,
+    submit: Callable[[JobSpec], Outcome] | None = None,
 ) -> dict[str, Any]:
     """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
     only sanctioned reader), score it, and accept or retain. Returns the full evidence.
