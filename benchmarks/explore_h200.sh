@@ -11,14 +11,16 @@ db=/tmp/explore.db
 if [ "$1" = "--resume" ]; then
     args=("$@")
 else
+    # EXPLORE_PROPOSERS: the proposers, in turn order (default: profile first, then ladder).
+    read -ra proposers <<< "${EXPLORE_PROPOSERS:---proposer profile --proposer ladder}"
     args=(--model rumik-oss-1 --device cuda --workload gpu-explore
-          --protocol configs/protocols/gpu-explore.yaml --proposer ladder "$@")
+          --protocol configs/protocols/gpu-explore.yaml "${proposers[@]}" "$@")
 fi
 timeout "${EXPLORE_TIMEOUT:-560}" python3 -m orchestrate.cli explore "${args[@]}" --no-mlflow \
     --db "sqlite:///$db" --runs-dir /tmp/explore-runs 2>&1 | tee "$OUT/explore.log"
 python3 -m orchestrate.cli explorations --db "sqlite:///$db" 2>&1 | tee -a "$OUT/explore.log"
 cp "$db" "$OUT/explore.db"
 tail -5 /tmp/explore-runs/*/worker.log > "$OUT/explore-workers.log" 2>/dev/null
-# Each job's events (timestamped: where a job's minutes go), also of a job the timeout cut.
-mkdir -p "$OUT/events"
-for f in /tmp/explore-runs/*/events.jsonl; do cp "$f" "$OUT/events/$(basename "$(dirname "$f")").jsonl"; done
+# Each job's events (timestamped: where a job's minutes go), also of a job the timeout cut;
+# one archive, as a device call returns at most 8 files.
+(cd /tmp/explore-runs && tar czf "$OUT/events.tgz" ./*/events.jsonl)

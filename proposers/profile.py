@@ -1,13 +1,19 @@
 """The `profile` proposer: spend the next jobs where the champion spends its time.
 
-It reads the champion's per-slot time (state.profile: slot -> ms per step, the worker's
-`slot_ms.*` metrics), takes the costliest slot and proposes the catalogue's techniques that
-fill or wrap it, each appended to the champion. A technique that fills a slot the champion
-already fills exclusively replaces that occupant in place (another implementation of the
-same slot), unless a later technique needs the occupant. Only techniques this device can
-run, whose `after` the champion already has, with no conflict, never tried before, and
-accepted by stack validation. Exact techniques come first (they need no quality gate).
-When nothing fits the costliest slot, the next one; an empty profile proposes nothing.
+It reads the champion's profile (state.profile: slot -> ms per step, the worker's
+`slot_ms.*` metrics, and `host`: the ms per step the GPU sits idle while the host runs
+Python and launches kernels), takes the costliest entry and proposes the catalogue's
+techniques that fill or wrap that slot, or that declare they reduce that cost
+(`Technique.reduces`). When the GPU idles for most of a step, `host` comes first whatever
+the slots say: every slot's time is then mostly host work, which no change inside one slot
+removes (both write-ups captured the step before they touched a kernel).
+
+Each proposal is the champion changed by one technique, as the ladder would make it: added,
+with what it needs (`after`) brought along; or in place of the one technique already filling
+its slot; or in place of those it conflicts with. Only techniques this device can run, never
+tried before, and accepted by stack validation. Exact techniques come first (they need no
+quality gate). When nothing fits the costliest entry, the next one; an empty profile
+proposes nothing.
 """
 
 from __future__ import annotations
@@ -19,32 +25,31 @@ from typing import Any
 from orchestrate.api.config import StackSpec, TechniqueRef
 from orchestrate.api.proposer import ExplorationState, Proposal, Proposer
 from orchestrate.api.registry import StackError, build_stack, get
+from orchestrate.proposers import graph
+
+HOST = "host"  # the profile's idle-GPU time per step (explore.state.profile_of)
 
 
 class ProfileProposer(Proposer):
     name = "profile"
-    summary = "techniques for the slot that costs the champion the most time per step"
+    summary = (
+        "techniques for what costs the champion most per step: its costliest slot, or host "
+        "work when the GPU idles most of a step"
+    )
 
     def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
-        total = sum(state.profile.values())
         seen = {identity(t.stack) for t in state.tried} | {identity(state.champion)}
-        for slot, ms in sorted(state.profile.items(), key=lambda kv: (-kv[1], kv[0])):
+        for key, ms in costs(state.profile):
             out: list[Proposal] = []
-            for name in candidates(state, slot):
+            for name in candidates(state, key):
                 move = _move(state, name)
                 if move is None:
                     continue
                 stack, change = move
-                key = identity(stack)
-                if key in seen or _invalid(stack):
+                if identity(stack) in seen or _invalid(stack):
                     continue
-                seen.add(key)
-                share = f"{ms / total:.0%} of" if total > 0 else "of"
-                verb = "fills" if slot in state.catalogue[name].get("slots", ()) else "wraps"
-                reason = (
-                    f"slot {slot!r} is the costliest with an untried technique: {ms:.3g} ms "
-                    f"per step, {share} the champion's profiled time; {name} {verb} it"
-                )
+                seen.add(identity(stack))
+                reason = f"{_where(state.profile, key, ms)}; {name} {_verb(state, name, key)} it"
                 out.append(Proposal(stack=stack, change=change, reason=reason))
                 if len(out) >= n:
                     break
@@ -53,56 +58,111 @@ class ProfileProposer(Proposer):
         return []
 
 
-def candidates(state: ExplorationState, slot: str) -> list[str]:
-    """Techniques that fill or wrap `slot`, runnable here and not in the champion; exact
-    ones first, then by name."""
+def costs(profile: dict[str, float]) -> list[tuple[str, float]]:
+    """The profile's entries, costliest first; `host` first when it is at least half the
+    step (the slots' times add up to about a step: each includes the host work inside it)."""
+    slots = sorted(
+        ((k, v) for k, v in profile.items() if k != HOST), key=lambda kv: (-kv[1], kv[0])
+    )
+    if HOST not in profile:
+        return slots
+    host = (HOST, profile[HOST])
+    if host[1] >= sum(v for _, v in slots) / 2:
+        return [host, *slots]
+    return sorted([*slots, host], key=lambda kv: (-kv[1], kv[0]))
+
+
+def _where(profile: dict[str, float], key: str, ms: float) -> str:
+    total = sum(v for k, v in profile.items() if k != HOST)
+    if key == HOST:
+        share = f" ({ms / total:.0%} of the step)" if total > 0 else ""
+        return f"the GPU sits idle {ms:.3g} ms per step{share}: host work"
+    share = f"{ms / total:.0%} of" if total > 0 else "of"
+    return (
+        f"slot {key!r} is the costliest with an untried technique: {ms:.3g} ms per step, "
+        f"{share} the champion's profiled time"
+    )
+
+
+def _verb(state: ExplorationState, name: str, key: str) -> str:
+    meta = state.catalogue[name]
+    if key in meta.get("slots", ()):
+        return "fills"
+    return "wraps" if key in meta.get("wraps", ()) else "reduces"
+
+
+def candidates(state: ExplorationState, key: str) -> list[str]:
+    """Techniques that fill or wrap slot `key`, or reduce cost `key`; runnable here (with
+    everything they bring along) and not in the champion; exact ones first (counting what
+    they bring), then by name."""
     champion = {t.name for t in state.champion.techniques}
     found = []
     for name, meta in state.catalogue.items():
-        claims = (*meta.get("slots", ()), *meta.get("wraps", ()))
-        if slot not in claims or name in champion:
+        claims = (*meta.get("slots", ()), *meta.get("wraps", ()), *meta.get("reduces", ()))
+        if key not in claims or name in champion:
             continue
-        if any(r not in state.device_caps for r in meta.get("requires", ())):
+        brings = graph.needs_of(state.champion, name, state.catalogue)
+        if not all(graph.runs_here(state.catalogue[t], state.device_caps) for t in [*brings, name]):
             continue
-        if not set(meta.get("after", ())) <= champion:
-            continue
-        if champion & set(meta.get("conflicts", ())) or any(
-            name in state.catalogue.get(t, {}).get("conflicts", ()) for t in champion
-        ):
-            continue
-        found.append(name)
-    return sorted(found, key=lambda n: (not state.catalogue[n].get("exact", False), n))
+        found.append((not _exact(state, [*brings, name]), name))
+    return [name for _, name in sorted(found)]
+
+
+def _exact(state: ExplorationState, names: list[str]) -> bool:
+    return all(state.catalogue[t].get("exact", False) for t in names)
 
 
 def _move(state: ExplorationState, name: str) -> tuple[StackSpec, str] | None:
-    """The champion with `name` added, or swapped in for the one technique that already
-    fills its slot; None when more than one would have to go, or a later one needs it."""
-    champ = list(state.champion.techniques)
-    slots = set(state.catalogue[name].get("slots", ()))
-    occupants = [
-        i
-        for i, t in enumerate(champ)
-        if slots & set(state.catalogue.get(t.name, {}).get("slots", ()))
-    ]
-    new = TechniqueRef(name=name)
-    if not occupants:
-        techniques, change = [*champ, new], f"+{name}"
-    elif len(occupants) == 1:
-        old = champ[occupants[0]].name
-        if any(old in state.catalogue.get(t.name, {}).get("after", ()) for t in champ):
+    """The champion changed by `name`: in place of the one technique already filling its
+    slot (unless a later one needs it), in place of those it conflicts with, or added with
+    what it needs; None when none of these makes a stack the registry accepts."""
+    champ, cat = state.champion, state.catalogue
+    stack: StackSpec | None
+    if graph.conflicting(champ, name, cat):
+        swap = graph.instead(champ, name, cat, state.device_caps)
+        if swap is None:
             return None
-        techniques = [new if i == occupants[0] else t for i, t in enumerate(champ)]
-        change = f"-{old}+{name}"
-    else:
+        stack, gone = swap
+        return _named(state, stack), f"+{name} ({_notes(champ, stack, name, gone)})"
+    occupants = [
+        t.name for t in champ.techniques if set(cat[name]["slots"]) & set(cat[t.name]["slots"])
+    ]
+    if len(occupants) > 1:
         return None
-    base = state.champion.name
-    stack = StackSpec(
-        name=re.sub(r"[^A-Za-z0-9_.\-]", "-", f"{base}.{name}"),
-        family=state.champion.family,
-        description=f"profile: {change} on {base}",
-        techniques=techniques,
+    if occupants:
+        (old,) = occupants
+        if any(old in cat[t.name].get("after", ()) for t in champ.techniques) or graph.needs_of(
+            champ, name, cat
+        ):
+            return None
+        refs = [TechniqueRef(name=name) if t.name == old else t for t in champ.techniques]
+        stack = champ.model_copy(update={"techniques": refs})
+        return _named(state, stack), f"-{old}+{name}"
+    stack = graph.extend(champ, name, cat, state.device_caps)
+    if stack is None:
+        return None
+    notes = _notes(champ, stack, name, [])
+    return _named(state, stack), f"+{name}" + (f" ({notes})" if notes else "")
+
+
+def _notes(champ: StackSpec, stack: StackSpec, name: str, gone: list[str]) -> str:
+    had = graph.names(champ)
+    brought = [t for t in graph.names(stack) if t not in had and t != name]
+    notes = ([f"with {', '.join(brought)}"] if brought else []) + (
+        [f"instead of {', '.join(gone)}"] if gone else []
     )
-    return stack, change
+    return "; ".join(notes)
+
+
+def _named(state: ExplorationState, stack: StackSpec) -> StackSpec:
+    base = state.champion.name
+    added = "-".join(t for t in graph.names(stack) if t not in graph.names(state.champion))
+    return stack.model_copy(
+        update={
+            "name": re.sub(r"[^A-Za-z0-9_.\-]", "-", f"{base}.{added or 'swap'}"),
+            "description": f"profile: on {base}",
+        }
+    )
 
 
 def _invalid(stack: StackSpec) -> bool:

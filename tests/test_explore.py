@@ -319,6 +319,42 @@ def fake_gate(accept: bool = True) -> Any:
     return run_gate
 
 
+def test_a_fresh_run_stands_in_for_the_gates_remeasure_only_if_it_measured_the_same(
+    tmp_path: Path,
+) -> None:
+    """The gate's remeasure would run the exploration's fresh job again (stock, the
+    champion, the candidate, after a warm-up, on the dev prompts): that run stands in,
+    unless its stacks, workload, warm-up, protocol, code or hardware differ."""
+    from orchestrate.api.protocol import phase_workload
+    from orchestrate.research.gate import _not_a_remeasure
+
+    with Store(f"sqlite:///{tmp_path / 'g.db'}") as store:
+        cand = StackSpec(name="c", techniques=[TechniqueRef(name="static_kv_cache")])
+        model, p, hw = ModelSpec(preset="tiny"), protocol(), decide.local_hardware("cpu")
+        warm = WORKLOAD.model_copy(update={"warmups": 1})
+
+        def fresh_run(dev: Workload) -> Outcome:
+            job = jobs.plan(model, jobs.fresh_workload(dev, p, 3), [STOCK, cand], p, tmp_path, 0)
+            return FakeSubmitter(store).one(job)
+
+        run = fresh_run(warm)
+        remeasure = warm.model_copy(update={"name": phase_workload(warm.name, "remeasure")})
+        planned = jobs.plan(model, remeasure, [STOCK, cand], p, tmp_path, 0)
+        assert _not_a_remeasure(run, planned, hw) is None
+        other = cand.model_copy(update={"techniques": [TechniqueRef(name="audio_head")]})
+        voiced = remeasure.model_copy(update={"voice": "x"})
+        changes: dict[str, dict[str, Any]] = {
+            "did not measure c": {"stacks": [STOCK, other]},
+            "its code differ": {"code_sha": "0" * 40},
+            "its protocol differ": {"protocol": protocol(False, 1.2)},
+            "its workload differ": {"workload": voiced},
+        }
+        for why, change in changes.items():
+            assert why in (_not_a_remeasure(run, planned.model_copy(update=change), hw) or "")
+        assert "its hardware differ" in (_not_a_remeasure(run, planned, "NVIDIA H200") or "")
+        assert "warm-up" in (_not_a_remeasure(fresh_run(WORKLOAD), planned, hw) or "")
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Any:
     with Store(f"sqlite:///{tmp_path / 'o.db'}") as s:
@@ -534,6 +570,48 @@ def test_stops_on_patience_and_on_budget(
     ex = explorer(store, tmp_path, [Ladder()], target=1.3, per_job=1)  # the fake gate: 1.4x
     assert ex.run().startswith("target reached: champion static_kv_cache-")
     assert [c["decision"] for c in store.list_candidates(ex.id)] == ["accept"]
+
+
+class Profiling(FakeSubmitter):
+    """A profile job's stack comes back host-bound, as stock on the H200: 26.3 ms a token,
+    the GPU busy for 4.7 of them; its slots add up to about the step."""
+
+    def one(self, job: JobSpec) -> Outcome:
+        if not job.profile_slots:
+            return super().one(job)
+        out = super().one(job)
+        host_bound = {"ms_per_token": 26.3, "gpu_busy_ms_per_step": 4.7}
+        slots = {"slot_ms.decoder": 23.0, "slot_ms.head": 2.0, "slot_ms.loop": 1.3}
+        for r in out.result.results:
+            r.metrics.update(host_bound | slots)
+        return out
+
+
+def test_the_champion_is_profiled_before_the_profile_proposer_is_asked(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measure the stock path, profile it, propose: the first job is the champion alone on
+    one prompt, its slots timed and its kernels counted; a host-bound profile has the
+    capture techniques proposed first (here on a device that could run them); dev jobs
+    time no slots; the profile job is not in the budget's per-stack estimate."""
+    from orchestrate.proposers.profile import ProfileProposer
+
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    lines: list[str] = []
+    ex = explorer(store, tmp_path, [ProfileProposer(), Ladder()], Profiling(store), "3 jobs")
+    ex.s.say = lines.append
+    ex.caps = [*ex.caps, "cuda", "package:triton"]  # what the proposers see; nothing runs
+    ex.run()
+    first, dev, *_ = ex.s.submitter.jobs
+    assert first.workload.name == "xq@profile" and [s.name for s in first.stacks] == ["stock"]
+    assert first.profile_slots and first.count_launches == ["stock"]
+    assert len(first.workload.prompts) == 1 and first.workload.seeds == [42]
+    assert not dev.profile_slots and dev.count_launches == []
+    assert ex.profile["host"] == pytest.approx(21.6)
+    assert any(line.startswith("profile of stock: host 21.6 ms") for line in lines), lines
+    changes = [c["change"] for c in store.list_candidates(ex.id)]
+    assert changes[0] == "+cuda_graph (with static_kv_cache)", changes
+    assert len(ex.stack_seconds) == len(ex.s.submitter.jobs) - 1  # all but the profile
 
 
 def test_a_result_faster_than_its_floor_is_invalid(
@@ -878,8 +956,12 @@ def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Pat
     assert (row["champion_headline"] or 0.0) >= 1.3, (row["stop_reason"], decided)
     accepted = [c for c in row["candidates"] if c["decision"] == "accept"]
     assert accepted and accepted[0]["quality_path"] == decisions.EXACT
-    assert [s["phase"] for s in accepted[0]["steps"]][-2:] == ["fresh", "gate"]
-    assert row["jobs"] <= 4  # one round: dev, fresh, the gate's remeasure and its holdout
+    fresh, gate = accepted[0]["steps"][-2:]
+    assert (fresh["phase"], gate["phase"]) == ("fresh", "gate")
+    # One round: dev, fresh, the holdout. The fresh-seed run is the gate's remeasure: same
+    # stacks, protocol, code and hardware, so the gate does not measure it a second time.
+    assert gate["reason"].startswith(f"remeasure: the fresh-seed run {fresh['run_id'][:12]}")
+    assert row["jobs"] <= 3
     for c in row["candidates"]:  # every decision, with its reason and its numbers
         assert c["status"] == "decided" and c["reason"] and c["steps"]
         assert all(s["reason"] for s in c["steps"])

@@ -221,3 +221,55 @@ def test_a_filled_slot_is_swapped_not_doubled():
 
 def test_empty_profile_proposes_nothing():
     assert ProfileProposer().propose(state([], {}), 5) == []
+
+
+# ------------------------------------------------ host work: the GPU idle most of a step
+
+GPU = ("cpu", "cuda", "package:triton", "sm90")
+
+
+def test_a_host_bound_champion_gets_the_step_captured_first():
+    """Stock on the H200: the GPU busy 4.7 of 26.3 ms a token. Every slot's time is then
+    mostly host work, so the techniques that capture the step come first, bringing what
+    they need, even though the decoder slot costs more than the host figure."""
+    st = state([], {"decoder": 23.0, "head": 2.0, "loop": 1.3, "host": 21.6}, caps=GPU)
+    proposals = ProfileProposer().propose(st, 5)
+    changes = [p.change for p in proposals]
+    assert changes[0] == "+cuda_graph (with static_kv_cache)"  # exact first
+    assert "+graph_loop (with static_kv_cache, device_sampler)" in changes
+    assert all("reduces" in p.reason and "idle 21.6 ms" in p.reason for p in proposals)
+    for p in proposals:
+        build_stack(p.stack)
+
+
+def test_a_gpu_bound_champion_is_profiled_by_its_slots():
+    """After the capture the host share is small: the costliest slot leads again, and a
+    host technique that conflicts with the champion's loop comes in its place only when
+    host is what costs most."""
+    champ = ["static_kv_cache", "device_sampler", "graph_loop"]
+    st = state(champ, {"decoder": 1.5, "head": 0.3, "host": 0.1}, caps=GPU)
+    [first, *_] = ProfileProposer().propose(st, 5)
+    assert "decoder" in first.reason and "idle" not in first.reason
+    st = state(champ, {"decoder": 0.2, "host": 3.0}, caps=GPU)
+    [swap] = ProfileProposer().propose(st, 5)
+    assert swap.change == "+cuda_graph (instead of graph_loop)"
+
+
+def test_reduces_names_only_costs_the_profile_knows(monkeypatch):
+    """A plugin declaring it reduces something the profile never measures is broken, with
+    the reason, not silently never proposed."""
+    from importlib.metadata import EntryPoint
+
+    from orchestrate.api import registry
+    from orchestrate.api.registry import StackError
+    from orchestrate.techniques.rumik.cuda_graph import CudaGraph
+
+    class Lies(CudaGraph):
+        name = "lies"
+        reduces = ("memory",)
+
+    ep = EntryPoint("lies", "x:Lies", registry.TECHNIQUES)
+    monkeypatch.setattr(EntryPoint, "load", lambda self: Lies)
+    families = {"rumik": get_family("rumik")}
+    with pytest.raises(StackError, match="reduces.*memory.*host"):
+        registry._load_technique(ep, families, {})

@@ -50,12 +50,16 @@ def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, flo
         torch.cuda.synchronize(device)
     kernels = launches = 0
     busy: list[tuple[float, float]] = []
-    for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
-            busy.append((ev.time_range.start, ev.time_range.end))
-            if not ev.name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
+    # The raw events, not prof.events(): building that tree of FunctionEvents for a
+    # host-bound loop (stock: thousands of ops a token) took 20-27 s on the H200, far
+    # longer than the profiled run itself; these are the same records, unparsed.
+    for ev in prof.profiler.kineto_results.events():
+        name = ev.name()
+        if ev.device_type() == DeviceType.CUDA:
+            busy.append((ev.start_ns() / 1000, ev.end_ns() / 1000))
+            if not name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
                 kernels += 1
-        elif any(m in ev.name for m in _HOST_LAUNCH_MARKERS):
+        elif any(m in name for m in _HOST_LAUNCH_MARKERS):
             launches += 1
     return {"kernels": kernels, "launches": launches, "busy_us": union_us(busy)}
 

@@ -25,7 +25,13 @@ from pydantic import ValidationError
 from orchestrate.api.config import StackSpec
 from orchestrate.api.family import Family
 from orchestrate.api.records import JobSpec
-from orchestrate.api.technique import BuiltStack, DeviceCaps, Technique, TechniqueParams
+from orchestrate.api.technique import (
+    PROFILE_COSTS,
+    BuiltStack,
+    DeviceCaps,
+    Technique,
+    TechniqueParams,
+)
 
 TECHNIQUES = "orchestrate.techniques"
 FAMILIES = "orchestrate.families"
@@ -124,6 +130,12 @@ def _load_technique(
                 f"technique {ep.name!r} claims slot {slot!r}, which family {cls.family!r} "
                 f"does not declare (its slots: {', '.join(family.slots)})"
             )
+    unknown = [c for c in cls.reduces if c not in PROFILE_COSTS]
+    if not isinstance(cls.reduces, tuple) or unknown:
+        raise StackError(
+            f"technique {ep.name!r}: reduces {unknown or cls.reduces!r}; it names costs "
+            f"of the profile: {', '.join(PROFILE_COSTS)}"
+        )
     return cls
 
 

@@ -34,6 +34,9 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrate.api.config import StackSpec
 
+# Profile entries that are not slots: `Technique.reduces` may name only these.
+PROFILE_COSTS = ("host",)
+
 
 class Refused(RuntimeError):
     """Raised by `apply` when a technique finds it cannot run on this model or package
@@ -62,6 +65,11 @@ class Technique(abc.ABC):
     requires: ClassVar[tuple[str, ...]] = ()  # "cuda", "sm90", "package:<import name>"
     after: ClassVar[tuple[str, ...]] = ()  # techniques that must be applied earlier
     conflicts: ClassVar[tuple[str, ...]] = ()
+    # Costs outside any one slot that the technique exists to cut, named as the exploration's
+    # profile names them (PROFILE_COSTS): "host" is the time per step the GPU sits idle
+    # while the host runs Python and launches kernels, which capturing the step removes.
+    # It orders proposals (the `profile` proposer); what a technique really cuts is measured.
+    reduces: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type[TechniqueParams]] = TechniqueParams
 
     def __init__(self, params: TechniqueParams):

@@ -171,6 +171,9 @@ def judge_gate(report: dict[str, Any]) -> Step:
     reasons = [r for r in verdict.get("reasons", []) if r]
     if verdict.get("failure"):
         reasons.insert(0, f"failed ({verdict['failure']})")
+    own_remeasure = report.get("remeasure_from", "this gate") == "this gate"
+    if not own_remeasure and report.get("remeasure_run"):
+        reasons.insert(0, f"remeasure: the fresh-seed run {report['remeasure_run'][:12]}")
     headline = (report.get("record") or {}).get("headline") or report.get("headline") or {}
     numbers = headline_numbers(headline)
     return Step(
@@ -181,8 +184,8 @@ def judge_gate(report: dict[str, Any]) -> Step:
         None,  # the path that judged quality was chosen before the gate (quality_path)
         numbers,
         report.get("holdout_run") or report.get("remeasure_run"),
-        [report["remeasure_run"]]
-        if report.get("holdout_run") and report.get("remeasure_run")
+        [report["remeasure_run"]]  # a fresh run standing in is the candidate's already
+        if report.get("holdout_run") and report.get("remeasure_run") and own_remeasure
         else [],
     )
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload
 from orchestrate.api.proposer import Decision, Proposal, Proposer, ProposerError
-from orchestrate.api.protocol import Protocol, ProtocolError
+from orchestrate.api.protocol import Protocol, ProtocolError, phase_workload
 from orchestrate.api.records import JobSpec, utcnow
 from orchestrate.api.registry import StackError
 from orchestrate.api.scoring import ScoringError
@@ -91,7 +91,8 @@ class Explorer:
         self.t0 = time.monotonic()
         self.stack_seconds: list[float] = []  # per job: its seconds over its stacks
         self.since_gain = _since_gain(row["candidates"])
-        self.profile: dict[str, float] = {}
+        self.profile: dict[str, float] = {}  # the champion's (state.profile_of)
+        self.profiled: str | None = None  # the champion whose profile was measured
         self.hardware = row["hardware"]
         self.random_weights = decide.random_weights(setup.model)
         self.techniques = state.technique_catalogue(setup.model.family)
@@ -121,6 +122,7 @@ class Explorer:
                     f"patience: {self.since_gain} proposals in a row without a gain above the "
                     f"noise bar (min speedup {self.s.protocol.speed.min_speedup:g})"
                 )
+            self._profile_champion()
             opened = self._fill_round(queues, exhausted)
             if not opened:
                 names = ", ".join(p.name for p in self.s.proposers)
@@ -318,7 +320,9 @@ class Explorer:
                 )
                 done.append(self._not_run(cand, "gate", why, "superseded"))
                 continue
-            if why := self._spent(2, self._stacks(1)):  # the gate: a remeasure, the holdout
+            # The gate: the holdout, and a remeasure unless the fresh run stands in for it.
+            needs = 1 if self._fresh_run(cand) is not None else 2
+            if why := self._spent(needs, self._stacks(1)):
                 done.append(self._not_run(cand, "gate", why))
                 continue
             step = self._gate(cand)
@@ -378,8 +382,6 @@ class Explorer:
             random_weights=self.random_weights,
             change=cand["change"],
         )
-        if phase == "dev":
-            self.profile = state.profile_of(parent) or self.profile
         numbers = step.numbers | headline_numbers(comparison)
         return replace(step, run_id=out.run_id, numbers=numbers)
 
@@ -404,13 +406,30 @@ class Explorer:
                 holdout_file=self.s.holdout_file,
                 on_event=self.s.on_event,
                 submit=lambda job: self.s.submitter.submit([Submission(job, force=True)])[0],
+                remeasured=self._fresh_run(cand),
             )
             step = judge_gate(report)
         except (ProtocolError, HoldoutError, StackError, ScoringError, HoldoutLeak) as exc:
             step = Step("gate", "error", f"the gate failed: {exc}")
-        ran = 1 + bool(report and report.get("holdout_run"))  # its remeasure, its holdout
+        # Jobs it ran: its own remeasure (unless the fresh run stood in), its holdout.
+        ran = int(bool(report and report.get("remeasure_from") == "this gate"))
+        ran += int(bool(report and report.get("holdout_run")))
         self._count_jobs(ran, time.monotonic() - started, self._stacks(1))
         return step
+
+    def _fresh_run(self, cand: dict[str, Any]) -> Outcome | None:
+        """The candidate's fresh-seed run, from the store (also after a resume): the gate's
+        remeasure, if the gate finds it measured what its own would (run_gate checks)."""
+        run_id = next((s["run_id"] for s in reversed(cand["steps"]) if s["phase"] == "fresh"), None)
+        if run_id is None:
+            return None
+        try:
+            result = self.s.store.get_result(run_id)
+        except LookupError:
+            return None
+        if result is None:
+            return None
+        return Outcome(run_id, result.status, result, comparisons(result), None)
 
     def _regate(self, cand: dict[str, Any]) -> Step:
         """A gate a killed session was in: gate again only if the holdout was not opened
@@ -458,18 +477,60 @@ class Explorer:
             self.s.runs_dir,
             self.s.fidelity_steps,
         )
-        # Per-slot times of the champion, for a proposer that reads the profile (`profile`);
-        # measured after the timed rounds, so the headline is the same either way.
-        wants = phase == "dev" and any(p.name == "profile" for p in self.s.proposers)
         # No kernel counts in dev and fresh jobs: no decision reads them, and under the
         # profiler a host-bound loop (stock, and every candidate without a captured loop)
         # took 20-27 s a stack on the H200, more than timing it. The gate's jobs count all.
-        return job.model_copy(update={"profile_slots": wants, "count_launches": []})
+        return job.model_copy(update={"count_launches": []})
 
-    def _submit(self, submission: Submission) -> Outcome:
+    def _profile_champion(self) -> None:
+        """Profile the champion before proposing for it, when a proposer reads profiles:
+        one job of the champion alone on the first dev prompt and seed, its slots timed and
+        its kernels counted (the GPU-busy time per step says how much of a step is host
+        work). Once per champion; a job recorded before (a resumed exploration) is served
+        back, not run again; a failed profile leaves it empty (the proposer then waits)."""
+        if self.profiled == self.champion.content_hash() or not any(
+            p.name == "profile" for p in self.s.proposers
+        ):
+            return
+        self.profiled = self.champion.content_hash()
+        dev = self.s.dev
+        workload = Workload.model_validate(
+            dev.model_dump()
+            | {
+                "name": phase_workload(dev.name, "profile"),
+                "prompts": dev.prompts[:1],
+                "seeds": dev.seeds[:1],
+                "save_audio": 0,
+            }
+        )
+        try:
+            job = jobs.plan(
+                self.s.model, workload, [self.champion], self.s.protocol, self.s.runs_dir, 0
+            )
+        except (StackError, ConfigError, ValueError) as exc:
+            self.s.say(f"profile of {self.champion.name} not planned: {exc}")
+            return
+        job = job.model_copy(update={"profile_slots": True, "count_launches": [self.champion.name]})
+        self.s.say(f"profiling the champion {self.champion.name}")
+        outcome = self._submit(Submission(job), estimates=False)
+        if outcome.result is None:
+            self.s.say(f"profile of {self.champion.name} failed: {outcome.error}")
+            return
+        self.profile = state.profile_of(outcome.result.results[0])
+        self.s.say(f"profile of {self.champion.name}: {state.describe_profile(self.profile)}")
+
+    def _submit(self, submission: Submission, estimates: bool = True) -> Outcome:
+        """Run one job and count it. `estimates`: its time per stack goes into the budget's
+        estimate (not the profile job's: one stack on one clip, and the first job pays the
+        worker's start, which later jobs do not)."""
         started = time.monotonic()
         (outcome,) = self.s.submitter.submit([submission])
-        self._count_jobs(1, time.monotonic() - started, len(submission.job.stacks))
+        seconds = time.monotonic() - started
+        if estimates:
+            self._count_jobs(1, seconds, len(submission.job.stacks))
+        else:
+            self.jobs += 1
+            self.s.store.update_exploration(self.id, jobs=self.jobs, elapsed_s=self._elapsed())
         return outcome
 
     def _stacks(self, candidates: int) -> int:
@@ -594,7 +655,7 @@ class Explorer:
 
     def _crown(self, cand: dict[str, Any]) -> None:
         self.champion = StackSpec.model_validate(cand["spec"])
-        self.profile = {}  # the old champion's; the next job measures the new one
+        self.profile = {}  # the old champion's; the new one is profiled before proposals
         self.s.store.update_exploration(
             self.id,
             champion=cand["spec"],

@@ -16,6 +16,7 @@ from orchestrate.api.registry import catalogue
 from orchestrate.api.technique import DeviceCaps
 
 PROFILE_PREFIX = "slot_ms."  # per-slot time of a stack, where the worker measured it
+HOST_WALL, GPU_BUSY = "ms_per_token", "gpu_busy_ms_per_step"  # a step is a token here
 
 
 def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
@@ -30,6 +31,7 @@ def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
             "requires": list(cls.requires),
             "after": list(cls.after),
             "conflicts": list(cls.conflicts),
+            "reduces": list(cls.reduces),
             "params_schema": cls.Params.model_json_schema(),
         }
         for name, cls in sorted(catalogue().techniques.items())
@@ -54,14 +56,33 @@ def _met(probe: DeviceCaps, requirement: str) -> bool:
 
 
 def profile_of(result: StackResult | None) -> dict[str, float]:
-    """slot -> ms per step of a stack, from its `slot_ms.*` metrics ({} when unmeasured)."""
+    """slot -> ms per step of a stack, from its `slot_ms.*` metrics ({} when unmeasured),
+    and `host`: the ms per step the GPU sat idle (wall ms per token minus GPU-busy ms per
+    token, where the job counted the stack's kernels). The slot timers cannot say this:
+    they synchronise around each slot, so a slot's time is its launches and its kernels
+    together. For stock on the H200 the GPU was busy 4.7 of 26.3 ms a token."""
     if result is None:
         return {}
-    return {
+    m = result.metrics
+    out = {
         key.removeprefix(PROFILE_PREFIX): value
-        for key, value in result.metrics.items()
+        for key, value in m.items()
         if key.startswith(PROFILE_PREFIX)
     }
+    if out and HOST_WALL in m and GPU_BUSY in m:
+        out["host"] = max(0.0, m[HOST_WALL] - m[GPU_BUSY])
+    return out
+
+
+def describe_profile(profile: dict[str, float]) -> str:
+    """One line for the log: each entry's ms per step, costliest first."""
+    if not profile:
+        return "not measured (no slot timings)"
+    slots = sorted(((k, v) for k, v in profile.items() if k != "host"), key=lambda kv: -kv[1])
+    text = "slots " + ", ".join(f"{k} {v:.3g} ms" for k, v in slots) + " per step"
+    if "host" in profile:
+        text = f"host {profile['host']:.3g} ms (the GPU idle); " + text
+    return text
 
 
 def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:

@@ -28,6 +28,42 @@ def _headline(stored: dict[str, float]) -> dict[str, float]:
     return {k: stored[k] for k in (*keys, metrics.AGGREGATE) if k in stored}
 
 
+# What a stand-in remeasure may have otherwise: fresh seeds are the point of it; the name
+# says its phase; every recording is kept either way; any warm-up count of at least one.
+_MAY_DIFFER = {"name", "seeds", "save_audio", "warmups"}
+
+
+def _not_a_remeasure(run: Outcome, planned: JobSpec, hardware: str) -> str | None:
+    """Why `run` cannot be the gate's remeasure `planned` (None: it can). It must have
+    measured every stack of `planned`, unchanged, after a warm-up, on its prompts, model,
+    protocol, code and hardware: a result is never carried across any of these."""
+    from orchestrate.research import decide
+
+    if run.result is None:
+        return "it has no result"
+    job = run.result.job
+    measured = {r.stack.name: r for r in run.result.results}
+    for stack in planned.stacks:
+        mine = measured.get(stack.name)
+        if mine is None or mine.stack.content_hash() != stack.content_hash():
+            return f"it did not measure {stack.name}"
+        if mine.status == "failed":
+            return f"{stack.name} failed in it"
+    checks = {
+        "model": job.model == planned.model,
+        "protocol": job.protocol.content_hash() == planned.protocol.content_hash(),
+        "workload": job.workload.model_dump(exclude=_MAY_DIFFER)
+        == planned.workload.model_dump(exclude=_MAY_DIFFER),
+        "warm-up": job.workload.warmups >= 1,
+        "code": (job.code_sha, job.code_dirty, job.code_diff_hash)
+        == (planned.code_sha, planned.code_dirty, planned.code_diff_hash)
+        and all(job.technique_code.get(k) == v for k, v in planned.technique_code.items()),
+        "hardware": decide.hardware_key(run.result.environment) == hardware,
+    }
+    differ = [what for what, same in checks.items() if not same]
+    return f"its {', '.join(differ)} differ" if differ else None
+
+
 def _noise(comparisons: dict[str, dict[str, float]]) -> list[str]:
     return metrics.run_noise(list(comparisons.items()))
 
@@ -45,11 +81,15 @@ def run_gate(
     holdout_file: Path | None = None,
     on_event: Any = None,
     submit: Callable[[JobSpec], Outcome] | None = None,
+    remeasured: Outcome | None = None,
 ) -> dict[str, Any]:
     """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
     only sanctioned reader), score it, and accept or retain. Returns the full evidence.
     `submit(job) -> Outcome` runs a job, always measured afresh (default: runner.execute in
-    a fresh worker; an exploration passes its Submitter's)."""
+    a fresh worker; an exploration passes its Submitter's). `remeasured`: a run that is
+    already such a remeasure (an exploration's fresh-seed job of these stacks, after a
+    warm-up, on this code, protocol, model and hardware): it stands in for the gate's own,
+    which would measure the same thing again; anything less and the gate measures."""
     from orchestrate.research import decide, holdout, scoring_run
     from orchestrate.running.plan import plan_job
     from orchestrate.running.runner import execute
@@ -88,9 +128,19 @@ def run_gate(
     remeasure = Workload.model_validate(
         dev.model_dump() | keep | {"name": proto.phase_workload(dev.name, "remeasure")}
     )
-    on_event({"event": "status", "message": "fresh post-warm-up remeasure (dev prompts)"})
-    first = submit(plan_job(model, remeasure, stacks, protocol, runs_dir))
+    planned = plan_job(model, remeasure, stacks, protocol, runs_dir)
+    why_not = None if remeasured is None else _not_a_remeasure(remeasured, planned, hardware)
+    if remeasured is not None and why_not is None:
+        first = remeasured
+        message = f"remeasure: fresh-seed run {first.run_id[:12]} of the same stacks"
+    else:
+        message = "fresh post-warm-up remeasure (dev prompts)"
+        message += f" (run {remeasured.run_id[:12]} cannot stand in: {why_not})" if why_not else ""
+        first = None
+    on_event({"event": "status", "message": message})
+    first = first or submit(planned)
     report["remeasure_run"] = first.run_id
+    report["remeasure_from"] = "this gate" if first is not remeasured else "the exploration"
     if first.result is None:
         report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
         return report

@@ -257,6 +257,7 @@ class CudaGraphLoop(Technique):
     exact = False  # the Gumbel draws come from another (graph-safe Philox) random stream
     slots = ("loop",)
     requires = ("cuda",)
+    reduces = ("host",)  # one graph launch a step instead of a launch per kernel
     conflicts = tuple(NOT_READ.values())
     summary = (
         "all unmasking steps captured as one CUDA graph per request shape; "

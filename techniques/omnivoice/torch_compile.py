@@ -61,6 +61,7 @@ class TorchCompile(Technique):
     exact = True
     wraps = ("forward",)
     requires = ("cuda",)
+    reduces = ("host",)  # reduce-overhead replays CUDA graphs: no launch per kernel
     summary = "torch.compile(mode=reduce-overhead) of the forward; each shape warmed first"
     Params = TorchCompileParams
 

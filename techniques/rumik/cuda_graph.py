@@ -89,6 +89,7 @@ class CudaGraph(Technique):
     exact = True
     wraps = ("decoder",)
     requires = ("cuda",)
+    reduces = ("host",)  # one graph launch a step instead of a launch per kernel
     after = ("static_kv_cache",)
     summary = "Capture the fixed-shape decode step once; replay it each token."
 

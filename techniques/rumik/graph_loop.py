@@ -72,6 +72,7 @@ class GraphLoop(Technique):
     exact = True
     slots = ("loop",)
     requires = ("cuda",)
+    reduces = ("host",)  # one graph launch a step instead of a launch per kernel
     after = ("static_kv_cache", "device_sampler")
     conflicts = ("cuda_graph",)
     summary = "Whole decode step (+head, stop head, sampler) in one graph; no per-token sync."

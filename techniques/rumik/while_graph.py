@@ -99,6 +99,7 @@ class WhileGraphLoop(Technique):
     exact = True
     slots = ("loop",)
     requires = ("cuda", "package:cuda.bindings")
+    reduces = ("host",)  # one graph launch a step instead of a launch per kernel
     after = ("static_kv_cache", "device_sampler")
     conflicts = ("cuda_graph",)
     summary = "Whole utterance in one conditional CUDA WHILE graph; the device decides the stop."
