@@ -612,6 +612,7 @@ def test_the_champion_is_profiled_before_the_profile_proposer_is_asked(
     changes = [c["change"] for c in store.list_candidates(ex.id)]
     assert changes[0] == "+cuda_graph (with static_kv_cache)", changes
     assert len(ex.stack_seconds) == len(ex.s.submitter.jobs) - 1  # all but the profile
+    assert len(ex.s.submitter.jobs) == 3  # the profile job counts against the budget too
 
 
 def test_a_result_faster_than_its_floor_is_invalid(

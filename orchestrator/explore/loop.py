@@ -3,6 +3,8 @@
     finish the round a killed session left open (the journal says which job was in flight)
     until the budget is spent, K proposals in a row gained nothing, no proposer has more, or
     the champion reached the --target:
+        profile a new champion first, when a proposer reads profiles (`profile`): one job of
+        the champion alone, its slots timed and its GPU-idle time per step measured
         fill a round: ask the proposers in turn for up to --per-job stacks; a proposer that
         fails is ledgered; each candidate is written `open`, deduped on its identity (stack
         + code + protocol + hardware: a repeat is never run) and planned alone (a stack that
@@ -11,7 +13,9 @@
         fresh: one job on fresh seeds of the dev winners, and of the winners combined (the
             loop's own candidate, `combine`: changes that each pay alone may add up)
         gate: the fresh winners, best first, until one is accepted (run_gate: the holdout,
-            audited); the rest are `superseded`: proposed again from the new champion
+            audited; the fresh job is its remeasure when it measured the same stacks, code,
+            protocol and hardware); the rest are `superseded`: proposed again from the new
+            champion
         after each job: a decision per candidate with its numbers and reason
         (explore.decisions), journaled; each decided candidate is ledgered when rejected and
         told to its proposer (observe)
@@ -122,7 +126,8 @@ class Explorer:
                     f"patience: {self.since_gain} proposals in a row without a gain above the "
                     f"noise bar (min speedup {self.s.protocol.speed.min_speedup:g})"
                 )
-            self._profile_champion()
+            if self._profile_champion():
+                continue  # it ran a job: the budget is checked again before the round
             opened = self._fill_round(queues, exhausted)
             if not opened:
                 names = ", ".join(p.name for p in self.s.proposers)
@@ -482,16 +487,17 @@ class Explorer:
         # took 20-27 s a stack on the H200, more than timing it. The gate's jobs count all.
         return job.model_copy(update={"count_launches": []})
 
-    def _profile_champion(self) -> None:
+    def _profile_champion(self) -> bool:
         """Profile the champion before proposing for it, when a proposer reads profiles:
         one job of the champion alone on the first dev prompt and seed, its slots timed and
         its kernels counted (the GPU-busy time per step says how much of a step is host
         work). Once per champion; a job recorded before (a resumed exploration) is served
-        back, not run again; a failed profile leaves it empty (the proposer then waits)."""
+        back, not run again; a failed profile leaves it empty (the proposer then waits).
+        True when it submitted a job."""
         if self.profiled == self.champion.content_hash() or not any(
             p.name == "profile" for p in self.s.proposers
         ):
-            return
+            return False
         self.profiled = self.champion.content_hash()
         dev = self.s.dev
         workload = Workload.model_validate(
@@ -509,15 +515,16 @@ class Explorer:
             )
         except (StackError, ConfigError, ValueError) as exc:
             self.s.say(f"profile of {self.champion.name} not planned: {exc}")
-            return
+            return False
         job = job.model_copy(update={"profile_slots": True, "count_launches": [self.champion.name]})
         self.s.say(f"profiling the champion {self.champion.name}")
         outcome = self._submit(Submission(job), estimates=False)
         if outcome.result is None:
             self.s.say(f"profile of {self.champion.name} failed: {outcome.error}")
-            return
+            return True
         self.profile = state.profile_of(outcome.result.results[0])
         self.s.say(f"profile of {self.champion.name}: {state.describe_profile(self.profile)}")
+        return True
 
     def _submit(self, submission: Submission, estimates: bool = True) -> Outcome:
         """Run one job and count it. `estimates`: its time per stack goes into the budget's
