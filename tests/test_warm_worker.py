@@ -228,3 +228,24 @@ def test_a_job_planned_on_other_code_gets_a_fresh_process(store: Any, tmp_path: 
         warm.close()
     assert {first.status, same.status, edited.status} == {"finished"}
     assert pid(first, runs) == pid(same, runs) != pid(edited, runs)
+
+
+def test_a_job_of_other_stacks_keeps_the_process_an_edited_technique_does_not(
+    store: Any, tmp_path: Path
+) -> None:
+    """Jobs of an exploration hold different stacks, so they name different techniques:
+    that is no change of code (on the H200 the profile job of stock alone, then the dev
+    job, each got a fresh process and paid stock's 22-29 s first warm-up again). A
+    technique whose source differs from what an earlier job named is one."""
+    runs = tmp_path / "runs"
+    warm = WarmWorker(runs)
+    try:
+        alone = run(store, runs, warm, stacks=[STOCK], technique_code={})
+        both = run(store, runs, warm, seed_shift=1)
+        (name,) = both.result.job.technique_code  # type: ignore[union-attr]
+        code = {name: {**both.result.job.technique_code[name], "source": "edited"}}  # type: ignore[union-attr]
+        edited = run(store, runs, warm, seed_shift=2, technique_code=code)
+    finally:
+        warm.close()
+    assert {alone.status, both.status, edited.status} == {"finished"}
+    assert pid(alone, runs) == pid(both, runs) != pid(edited, runs)

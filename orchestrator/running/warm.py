@@ -38,7 +38,8 @@ class WarmWorker:
     def __init__(self, log_dir: Path) -> None:
         self.log_path = log_dir / "warm-worker.log"  # its stderr outside any job
         self.proc: subprocess.Popen[str] | None = None
-        self.code: str | None = None  # the code identity of the process's first job
+        self.code: str | None = None  # the commit and tree state the process imported
+        self.techniques: dict[str, Any] = {}  # each technique's source, as jobs named it
 
     def __call__(
         self,
@@ -47,10 +48,11 @@ class WarmWorker:
         log_path: Path,
         on_event: Callable[[dict[str, Any]], None],
     ) -> int:
-        code = _code_of(job_path)
-        if self.proc is not None and code != self.code:
+        code, techniques = _code_of(job_path)
+        if self.proc is not None and not self._same_code(code, techniques):
             self.close()  # the tree changed since it imported it
         proc = self._process(code)
+        self.techniques |= techniques
         with suppress(OSError):  # for describe_exit (was it the OOM killer?) and tests
             job_path.with_name("worker.pid").write_text(f"{proc.pid}\n")
         request = {"job": str(job_path), "out": str(result_path), "log": str(log_path)}
@@ -92,6 +94,14 @@ class WarmWorker:
 
     # ------------------------------------------------------------------------ internals
 
+    def _same_code(self, code: str, techniques: dict[str, Any]) -> bool:
+        """The job names the code this process imported: the same commit and tree state,
+        and each of its techniques with the source an earlier job named (a job of other
+        stacks names other techniques, which is no change)."""
+        return code == self.code and all(
+            self.techniques.get(name, source) == source for name, source in techniques.items()
+        )
+
     def _process(self, code: str) -> subprocess.Popen[str]:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
@@ -105,7 +115,7 @@ class WarmWorker:
                 text=True,
                 preexec_fn=die_with_parent(),
             )
-        self.code = code
+        self.code, self.techniques = code, {}
         return self.proc
 
     @staticmethod
@@ -150,8 +160,11 @@ class WarmWorker:
                 proc.wait()
 
 
-def _code_of(job_path: Path) -> str:
-    """The code a job was planned on, as its identity names it (runner.job_identity)."""
+def _code_of(job_path: Path) -> tuple[str, dict[str, Any]]:
+    """The code a job was planned on, as its identity names it (runner.job_identity): the
+    commit and tree state, and the source of each technique its stacks use."""
     job = json.loads(job_path.read_text())
-    keys = ("code_sha", "code_dirty", "code_diff_hash", "technique_code")
-    return json.dumps({k: job.get(k) for k in keys}, sort_keys=True)
+    keys = ("code_sha", "code_dirty", "code_diff_hash")
+    return json.dumps({k: job.get(k) for k in keys}, sort_keys=True), job.get(
+        "technique_code"
+    ) or {}
