@@ -122,6 +122,24 @@ def test_the_next_job_is_estimated_from_its_stacks(store: Store, tmp_path: Path)
     assert why is not None and "a job of 10 stacks takes about" in why
 
 
+def test_a_job_is_estimated_from_what_its_stacks_cost_a_clip(store: Store, tmp_path: Path) -> None:
+    """On the H200 stock took 7 s a clip and a captured loop 1 s: a job's time follows its
+    host-bound stacks. Per clip as last measured (a candidate not measured yet: the
+    champion's), times its clips and warm-ups, plus the measured cost per stack besides."""
+    ex = explorer(store, tmp_path, [Ladder()], budget="9m")
+    ex.champion = StackSpec(name="loop", techniques=[TechniqueRef(name="static_kv_cache")])
+    assert ex._job_seconds([None]) is None  # nothing measured yet: the per-stack mean
+    ex.clip_s, ex.extra_s = {"stock": 7.0, "loop": 1.0, "slow": 6.0}, [8.0]
+    clips = len(WORKLOAD.prompts) * len(WORKLOAD.seeds) + WORKLOAD.warmups  # 8
+    fast = ex._job_seconds([None] * 4)
+    assert fast == pytest.approx((8 + clips * 7) + 5 * (8 + clips * 1))
+    assert ex._job_seconds(["slow", None, None, None]) == pytest.approx(fast + clips * 5)
+    ex.stack_seconds = [30.0]  # the per-stack mean would say 6 x 30 s = 180 s
+    ex.elapsed0, ex.t0 = 540 - 150, time.monotonic()
+    assert ex._spent(1, 6, [None] * 4) is None  # 144 s fits in the 150 s left
+    assert ex._spent(1, 6) is not None
+
+
 def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:
     budget = Budget(seconds=600, jobs=10)
     assert budget.spent(100, 3, next_job_s=60) is None

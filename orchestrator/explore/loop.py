@@ -94,6 +94,8 @@ class Explorer:
         self.elapsed0, self.jobs = row["elapsed_s"], row["jobs"]
         self.t0 = time.monotonic()
         self.stack_seconds: list[float] = []  # per job: its seconds over its stacks
+        self.clip_s: dict[str, float] = {}  # stack name -> seconds per clip, last measured
+        self.extra_s: list[float] = []  # per job: seconds per stack beyond its clips
         self.since_gain = _since_gain(row["candidates"])
         self.profile: dict[str, float] = {}  # the champion's (state.profile_of)
         self.profiled: str | None = None  # the champion whose profile was measured
@@ -119,7 +121,8 @@ class Explorer:
         queues: dict[str, deque[Proposal]] = {p.name: deque() for p in self.s.proposers}
         exhausted: set[str] = set()
         while True:
-            if why := self._spent(stacks=self._stacks(self.s.per_job)) or self._target_reached():
+            nxt = [None] * self.s.per_job
+            if why := self._spent(1, self._stacks(len(nxt)), nxt) or self._target_reached():
                 return self._stop(why)
             if self.since_gain >= self.s.patience:
                 return self._stop(
@@ -263,7 +266,8 @@ class Explorer:
                 live += [c for c in group if c["id"] not in ids]  # the combination, if any
             if not group:
                 continue
-            if phase == "fresh" and (why := self._spent(stacks=self._stacks(len(group)))):
+            names = [c["stack_name"] for c in group]
+            if phase == "fresh" and (why := self._spent(1, self._stacks(len(group)), names)):
                 done += [self._not_run(c, phase, why) for c in group]
                 live = [c for c in live if c not in group]
                 continue
@@ -327,7 +331,7 @@ class Explorer:
                 continue
             # The gate: the holdout, and a remeasure unless the fresh run stands in for it.
             needs = 1 if self._fresh_run(cand) is not None else 2
-            if why := self._spent(needs, self._stacks(1)):
+            if why := self._spent(needs, self._stacks(1), [cand["stack_name"]]):
                 done.append(self._not_run(cand, "gate", why))
                 continue
             step = self._gate(cand)
@@ -410,7 +414,7 @@ class Explorer:
                 track=self.s.track,
                 holdout_file=self.s.holdout_file,
                 on_event=self.s.on_event,
-                submit=lambda job: self.s.submitter.submit([Submission(job, force=True)])[0],
+                submit=self._gate_job,
                 remeasured=self._fresh_run(cand),
             )
             step = judge_gate(report)
@@ -421,6 +425,13 @@ class Explorer:
         ran += int(bool(report and report.get("holdout_run")))
         self._count_jobs(ran, time.monotonic() - started, self._stacks(1))
         return step
+
+    def _gate_job(self, job: JobSpec) -> Outcome:
+        """One of the gate's jobs, through the Submitter (counted by `_gate`)."""
+        started = time.monotonic()
+        (outcome,) = self.s.submitter.submit([Submission(job, force=True)])
+        self._learn(outcome, time.monotonic() - started)
+        return outcome
 
     def _fresh_run(self, cand: dict[str, Any]) -> Outcome | None:
         """The candidate's fresh-seed run, from the store (also after a resume): the gate's
@@ -533,6 +544,7 @@ class Explorer:
         started = time.monotonic()
         (outcome,) = self.s.submitter.submit([submission])
         seconds = time.monotonic() - started
+        self._learn(outcome, seconds, estimates)
         if estimates:
             self._count_jobs(1, seconds, len(submission.job.stacks))
         else:
@@ -733,13 +745,50 @@ class Explorer:
     def _elapsed(self) -> float:
         return self.elapsed0 + (time.monotonic() - self.t0)
 
-    def _spent(self, needs: int = 1, stacks: int = 1) -> str | None:
+    def _spent(
+        self, needs: int = 1, stacks: int = 1, names: list[str | None] | None = None
+    ) -> str | None:
         """Why the budget allows no further `needs` jobs of `stacks` stacks each, or None.
-        A job's time is estimated per stack (a dev job of five stacks costs about 5/3 of a
-        gate job of three), from the jobs so far."""
-        per_stack = statistics.fmean(self.stack_seconds) if self.stack_seconds else None
-        next_job = None if per_stack is None else per_stack * stacks
+        With the candidates' `names` (None: not measured yet), a job is estimated from
+        what its stacks cost per clip (`_job_seconds`); else per stack (a dev job of five
+        stacks costs about 5/3 of a gate job of three), from the jobs so far."""
+        next_job = None if names is None else self._job_seconds(names)
+        if next_job is None and self.stack_seconds:
+            next_job = statistics.fmean(self.stack_seconds) * stacks
         return self.s.budget.spent(self._elapsed(), self.jobs, next_job, needs, stacks)
+
+    def _job_seconds(self, names: list[str | None]) -> float | None:
+        """A job of stock, the champion and candidates `names`: per stack, its seconds per
+        clip (as last measured; a candidate not yet measured, the champion's: it is the
+        champion and one change) times its clips and warm-ups, plus what a job spends per
+        stack beyond its clips (building, fidelity), as measured. On the H200 stock took
+        7 s a clip and a captured loop 1 s, so a job's time follows its host-bound stacks,
+        not its count of stacks."""
+        stock, champ = self.s.stock.name, self.champion.name
+        if not self.extra_s or stock not in self.clip_s or champ not in self.clip_s:
+            return None
+        dev = self.s.dev
+        clips = len(dev.prompts) * len(dev.seeds) + dev.warmups
+        stacks = [stock, *([] if champ == stock else [champ]), *names]
+        per_clip = [self.clip_s.get(n or "", self.clip_s[champ]) for n in stacks]
+        return sum(statistics.fmean(self.extra_s) + clips * s for s in per_clip)
+
+    def _learn(self, outcome: Outcome, seconds: float, estimates: bool = True) -> None:
+        """Seconds per clip of each stack the job timed, and (`estimates`) what the job
+        spent per stack beyond its clips and warm-ups: for `_job_seconds`."""
+        if outcome.result is None:
+            return
+        timed, n = 0.0, 0
+        warmups = outcome.result.job.workload.warmups
+        for r in outcome.result.results:
+            if not r.utterances:
+                continue
+            per_clip = statistics.fmean(u.latency_s for u in r.utterances)
+            self.clip_s[r.stack.name] = per_clip
+            timed += (len(r.utterances) + warmups) * per_clip
+            n += 1
+        if estimates and n:
+            self.extra_s.append(max(0.0, seconds - timed) / n)
 
     def _stop(self, why: str) -> str:
         self.close("FINISHED", why)
