@@ -633,6 +633,28 @@ def test_the_champion_is_profiled_before_the_profile_proposer_is_asked(
     assert len(ex.s.submitter.jobs) == 3  # the profile job counts against the budget too
 
 
+def test_a_combination_the_budget_stops_before_fresh_is_decided_not_a_crash(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the H200 a round's combination (no step yet: it starts at fresh) met a budget that
+    refused the fresh job, and the loop crashed on its missing last step."""
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate())
+    ex = explorer(store, tmp_path, [Scripted([["static_kv_cache"], ["audio_head"]])], per_job=2)
+    monkeypatch.setattr(ex, "_spent", lambda *a, **k: "budget spent: test")
+    union = ex._combine([_measured(ex, ["static_kv_cache"]), _measured(ex, ["audio_head"])])
+    assert union is not None and not union["steps"]
+    decided = ex._not_run(union, "fresh", "budget spent: test")
+    assert decided["status"] == "decided" and decided["decision"] == "drop"
+    assert decided["reason"] == "sent to fresh, not run: budget spent: test"
+
+
+def _measured(ex: Explorer, techniques: list[str]) -> dict[str, Any]:
+    refs = [TechniqueRef(name=t) for t in techniques]
+    cand = ex._open_candidate("scripted", Proposal(StackSpec(name="x", techniques=refs), "+", ""))
+    step = decisions.Step("dev", "remeasure", "test", numbers={"vs_parent": 1.5})
+    return ex._record_step(cand, step)
+
+
 def test_a_result_faster_than_its_floor_is_invalid(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -347,13 +347,13 @@ class Explorer:
     ) -> dict[str, Any]:
         """A candidate sent to `phase` that does not run there: it keeps its last decision
         (or `decision`), and the reason says why it went no further."""
-        last = cand["steps"][-1]
+        last = cand["steps"][-1] if cand["steps"] else None  # a combination starts at fresh
         step = Step(
             "budget" if why.startswith("budget") else "round",
-            decision or last["decision"],
+            decision or (last["decision"] if last else "drop"),
             f"sent to {phase}, not run: {why}",
             None,
-            last["quality_path"],
+            last["quality_path"] if last else None,
         )
         return self._decide(cand, step)
 
