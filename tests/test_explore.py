@@ -655,6 +655,41 @@ def _measured(ex: Explorer, techniques: list[str]) -> dict[str, Any]:
     return ex._record_step(cand, step)
 
 
+class Poisoning(FakeSubmitter):
+    """A job holding audio_head dies as a whole, as a device-side assert in one warm-up
+    failed every stack of a job on the H200."""
+
+    def one(self, job: JobSpec) -> Outcome:
+        if not any(t.name == "audio_head" for s in job.stacks for t in s.techniques):
+            return super().one(job)
+        self.jobs.append(job)
+        run_id = self.store.begin_run(job, job_identity(job))
+        error = "worker exited with status 1: AcceleratorError: device-side assert triggered"
+        self.store.fail_run(run_id, "FAILED", error)
+        return Outcome(run_id, "FAILED", None, {}, None, error=error)
+
+
+def test_a_job_that_fails_as_a_whole_measures_each_candidate_alone(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One stack that kills the worker must not sink the others of its job: each is
+    measured alone, so the error lands on the one that caused it."""
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    lines: list[str] = []
+    proposer = Scripted([["static_kv_cache"], ["audio_head"]])
+    ex = explorer(store, tmp_path, [proposer], Poisoning(store), "5 jobs", per_job=2)
+    ex.s.say = lines.append
+    ex.run()
+    by = {c["stack_name"]: c for c in store.list_candidates(ex.id)}
+    cache = next(c for n, c in by.items() if n.startswith("static_kv_cache"))
+    head = next(c for n, c in by.items() if n.startswith("audio_head"))
+    assert head["decision"] == "error" and "device-side assert" in head["reason"]
+    assert cache["decision"] != "error" and cache["steps"][0]["numbers"]["vs_parent"] > 1.05
+    assert any("failed as a whole" in line and "each alone" in line for line in lines)
+    dev_jobs = [j for j in ex.s.submitter.jobs if j.workload.name == "xq"]
+    assert [len(j.stacks) for j in dev_jobs] == [3, 2, 2]  # together, then each alone
+
+
 def test_a_result_faster_than_its_floor_is_invalid(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -370,7 +370,36 @@ class Explorer:
             for cand in group:
                 self._journal(cand, phase, job.job_id)
             outcome = self._submit(Submission(job, force=phase == jobs.FRESH))
+            if outcome.result is None and len(group) > 1:
+                return self._alone(group, specs, phase, outcome)
         return [self._judge(c, s, phase, outcome) for c, s in zip(group, specs, strict=True)]
+
+    def _alone(
+        self, group: list[dict[str, Any]], specs: list[StackSpec], phase: str, failed: Outcome
+    ) -> list[Step]:
+        """A job that failed as a whole (its worker died: a crash, a device-side assert,
+        the OOM killer) says nothing about which of its candidates did it, and one stack
+        that poisons the device fails every stack beside it (on the H200, a device-side
+        assert in one warm-up failed all four candidates of a job). So each is measured in
+        a job of its own, within the budget; one the budget leaves out keeps the error."""
+        seqs = ", ".join(f"#{c['seq']}" for c in group)
+        self.s.say(f"{seqs} {phase}: the job failed as a whole ({failed.error}); each alone")
+        steps = []
+        for cand, spec in zip(group, specs, strict=True):
+            why = self._spent(1, self._stacks(1), [cand["stack_name"]])
+            if why is None:
+                try:
+                    job = self._plan([spec], phase, cand["seq"])
+                except (StackError, ConfigError, ValueError) as exc:
+                    why = f"does not plan alone: {exc}"
+            if why is not None:
+                error = f"{failed.error or 'the job failed'}; not measured alone: {why}"
+                steps.append(Step(phase, "error", error, run_id=failed.run_id))
+                continue
+            self._journal(cand, phase, job.job_id)
+            outcome = self._submit(Submission(job, force=phase == jobs.FRESH))
+            steps.append(self._judge(cand, spec, phase, outcome))
+        return steps
 
     def _judge(self, cand: dict[str, Any], spec: StackSpec, phase: str, out: Outcome) -> Step:
         if out.result is None:
