@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,8 +153,8 @@ def _frontier_figure(ax: Any, view: ExplorationView) -> None:
             if n.lo is not None and n.hi is not None:
                 ax.vlines(i, n.lo, n.hi, color=colour, lw=1, alpha=0.6)
             ax.scatter(i, n.headline, color=colour, s=22, zorder=3)
-            ax.annotate(n.change, (i, n.headline), xytext=(4, 3), textcoords="offset points",
-                        fontsize=7, color="#424242")  # fmt: skip
+            ax.annotate(_short(i, n.change), (i, n.headline), xytext=(4, 3),
+                        textcoords="offset points", fontsize=7, color="#424242")  # fmt: skip
         if n.decision == "accept" and n.headline is not None:
             best = n.headline
         if best is not None:
@@ -178,6 +179,13 @@ def _frontier_figure(ax: Any, view: ExplorationView) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("candidate (order tried); bars: 95% CI")
     ax.set_ylabel(f"{view.headline_label}\n(log)", fontsize=8)
+
+
+def _short(i: int, change: str) -> str:
+    """`#i` and the change without what came along ("+graph_loop (with static_kv_cache,
+    device_sampler)" -> "#3 +graph_loop"): full labels overran each other and the axes;
+    the page's tree beside the figure has each change whole."""
+    return f"#{i} " + re.sub(r" \([^)]*\)", "", change)
 
 
 def _ladder_figure(ax: Any, view: ExplorationView) -> None:
