@@ -493,7 +493,8 @@ def test_the_ladder_climbs_through_remeasure_and_gate_and_records_every_decision
     # one dev job per round, its fresh job after it; fresh seeds never the workload's
     names = [j.workload.name for j in ex.s.submitter.jobs]
     assert names == ["xq", "xq@fresh", "xq"]
-    assert [len(j.stacks) for j in ex.s.submitter.jobs] == [5, 3, 5]
+    # round 2: stock, the champion and the two heads (baseline B stands alone: never on top)
+    assert [len(j.stacks) for j in ex.s.submitter.jobs] == [5, 3, 4]
     fresh = [j for j in ex.s.submitter.jobs if j.workload.name == "xq@fresh"]
     assert all(not set(j.workload.seeds) & {42, 43} for j in fresh)
     # every job holds stock, then the champion (once there is one), then the candidates

@@ -41,6 +41,21 @@ def test_slot_conflict():
         build_stack(stack("audio_head", "codebook_head"))
 
 
+@pytest.mark.parametrize(
+    "names",
+    [["hf_generate_static", "static_kv_cache"], ["static_kv_cache", "packed_projections",
+     "hf_generate_static"]],
+)  # fmt: skip
+def test_a_technique_that_stands_alone_takes_no_others_in_either_order(names):
+    """Baseline B runs transformers' generate() on the model's own modules: with others in
+    its stack they would not run, and the stack would be measured as if they did (an H200
+    exploration proposed `-graph_loop+hf_generate_static` on a champion of four)."""
+    stack = StackSpec(name="b-plus", techniques=[TechniqueRef(name=n) for n in names])
+    with pytest.raises(StackError, match="'hf_generate_static' stands alone"):
+        build_stack(stack)
+    build_stack(StackSpec(name="b", techniques=[TechniqueRef(name="hf_generate_static")]))
+
+
 def test_a_conflict_declared_by_either_technique_holds_in_either_order():
     """graph_loop declares the conflict with cuda_graph, cuda_graph does not: the stack that
     put cuda_graph after graph_loop used to validate and then fail in its warm-up on the

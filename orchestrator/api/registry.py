@@ -193,6 +193,12 @@ def build_stack(
         for other in seen:  # declared on either side: graph_loop names cuda_graph only
             if other in cls.conflicts or ref.name in get(other).conflicts:
                 raise StackError(f"technique {ref.name!r} conflicts with {other!r}")
+        alone = next((t for t in [ref.name, *seen] if get(t).stands_alone), None)
+        if alone is not None and seen:
+            raise StackError(
+                f"technique {alone!r} stands alone: it synthesises its own way, so the other "
+                f"techniques of stack {spec.name!r} would not run"
+            )
         for slot in cls.slots:
             if slot in claimed:
                 raise StackError(

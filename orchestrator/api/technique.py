@@ -70,6 +70,10 @@ class Technique(abc.ABC):
     # while the host runs Python and launches kernels, which capturing the step removes.
     # It orders proposals (the `profile` proposer); what a technique really cuts is measured.
     reduces: ClassVar[tuple[str, ...]] = ()
+    # True for a technique that replaces the whole synthesis with a path of its own (a
+    # library's generate()), so no other technique's slot would be used: it is refused in
+    # any stack with others rather than measured as if they ran.
+    stands_alone: ClassVar[bool] = False
     Params: ClassVar[type[TechniqueParams]] = TechniqueParams
 
     def __init__(self, params: TechniqueParams):

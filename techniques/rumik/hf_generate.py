@@ -74,6 +74,7 @@ class HFGenerateStatic(Technique):
     family = "rumik"
     exact = False
     slots = ("loop",)
+    stands_alone = True  # generate() runs the model's own modules, not the engine's slots
     summary = "Baseline B: transformers generate() with a static cache (auto-compiled on GPU)."
 
     def apply(self, engine: Engine) -> None:
