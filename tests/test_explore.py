@@ -656,6 +656,36 @@ def _measured(ex: Explorer, techniques: list[str]) -> dict[str, Any]:
     return ex._record_step(cand, step)
 
 
+class FailingProfile(FakeSubmitter):
+    """The profile job's worker dies (the profiler crashed, say); every other job runs."""
+
+    def one(self, job: JobSpec) -> Outcome:
+        if not job.profile_slots:
+            return super().one(job)
+        self.jobs.append(job)
+        run_id = self.store.begin_run(job, job_identity(job))
+        self.store.fail_run(run_id, "FAILED", "worker exited with status 1: profiler crashed")
+        return Outcome(run_id, "FAILED", None, {}, None, error="profiler crashed")
+
+
+def test_a_failed_profile_leaves_the_other_proposers_going(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No profile: the profile proposer has nothing to say, the ladder goes on, and the
+    champion is not profiled again and again (once per champion)."""
+    from orchestrate.proposers.profile import ProfileProposer
+
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    lines: list[str] = []
+    ex = explorer(store, tmp_path, [ProfileProposer(), Ladder()], FailingProfile(store), "4 jobs")
+    ex.s.say = lines.append
+    ex.run()
+    assert any(line == "profile of stock failed: profiler crashed" for line in lines), lines
+    assert [j.profile_slots for j in ex.s.submitter.jobs].count(True) == 1
+    proposers = {c["proposer"] for c in store.list_candidates(ex.id)}
+    assert proposers == {"ladder"} and ex.profile == {}
+
+
 class Poisoning(FakeSubmitter):
     """A job holding audio_head dies as a whole, as a device-side assert in one warm-up
     failed every stack of a job on the H200."""
