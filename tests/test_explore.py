@@ -117,8 +117,8 @@ def test_the_next_job_is_estimated_from_its_stacks(store: Store, tmp_path: Path)
     ex.champion = StackSpec(name="exp74ish", techniques=[TechniqueRef(name="static_kv_cache")])
     ex.elapsed0, ex.t0, ex.jobs = 269.4, time.monotonic(), 2
     ex.stack_seconds = [134.7 / 4] * 2
-    assert ex._spent(2, ex._stacks(1)) is None  # 269 + 2 x 101 s < 510 s
-    why = ex._spent(1, ex._stacks(8))
+    assert ex._spent(2, [None]) is None  # 269 + 2 x 101 s < 510 s
+    why = ex._spent(1, [None] * 8)
     assert why is not None and "a job of 10 stacks takes about" in why
 
 
@@ -136,8 +136,9 @@ def test_a_job_is_estimated_from_what_its_stacks_cost_a_clip(store: Store, tmp_p
     assert ex._job_seconds(["slow", None, None, None]) == pytest.approx(fast + clips * 5)
     ex.stack_seconds = [30.0]  # the per-stack mean would say 6 x 30 s = 180 s
     ex.elapsed0, ex.t0 = 540 - 150, time.monotonic()
-    assert ex._spent(1, 6, [None] * 4) is None  # 144 s fits in the 150 s left
-    assert ex._spent(1, 6) is not None
+    assert ex._spent(1, [None] * 4) is None  # 144 s fits in the 150 s left
+    ex.clip_s = {}  # nothing measured per clip: the per-stack mean, 180 s, does not fit
+    assert ex._spent(1, [None] * 4) is not None
 
 
 def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:

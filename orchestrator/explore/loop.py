@@ -56,6 +56,7 @@ from orchestrate.research import decide
 from orchestrate.research.holdout import HoldoutError
 from orchestrate.running import metrics
 from orchestrate.running.runner import Outcome, ResumeRefused, comparisons, plan_resume
+from orchestrate.store.errors import StoreError
 
 PROPOSALS_PER_ASK = 4  # how many stacks a proposer is asked for at a time (queued)
 PROPOSER_FAILURES = 2  # a proposer failing this often in a row is not asked again
@@ -121,8 +122,7 @@ class Explorer:
         queues: dict[str, deque[Proposal]] = {p.name: deque() for p in self.s.proposers}
         exhausted: set[str] = set()
         while True:
-            nxt = [None] * self.s.per_job
-            if why := self._spent(1, self._stacks(len(nxt)), nxt) or self._target_reached():
+            if why := self._spent(1, [None] * self.s.per_job) or self._target_reached():
                 return self._stop(why)
             if self.since_gain >= self.s.patience:
                 return self._stop(
@@ -267,7 +267,7 @@ class Explorer:
             if not group:
                 continue
             names = [c["stack_name"] for c in group]
-            if phase == "fresh" and (why := self._spent(1, self._stacks(len(group)), names)):
+            if phase == "fresh" and (why := self._spent(1, names)):
                 done += [self._not_run(c, phase, why) for c in group]
                 live = [c for c in live if c not in group]
                 continue
@@ -330,8 +330,8 @@ class Explorer:
                 done.append(self._not_run(cand, "gate", why, "superseded"))
                 continue
             # The gate: the holdout, and a remeasure unless the fresh run stands in for it.
-            needs = 1 if self._fresh_run(cand) is not None else 2
-            if why := self._spent(needs, self._stacks(1), [cand["stack_name"]]):
+            needs = 1 if _fresh_run_id(cand) else 2
+            if why := self._spent(needs, [cand["stack_name"]]):
                 done.append(self._not_run(cand, "gate", why))
                 continue
             step = self._gate(cand)
@@ -386,7 +386,7 @@ class Explorer:
         self.s.say(f"{seqs} {phase}: the job failed as a whole ({failed.error}); each alone")
         steps = []
         for cand, spec in zip(group, specs, strict=True):
-            why = self._spent(1, self._stacks(1), [cand["stack_name"]])
+            why = self._spent(1, [cand["stack_name"]])
             if why is None:
                 try:
                     job = self._plan([spec], phase, cand["seq"])
@@ -465,14 +465,14 @@ class Explorer:
     def _fresh_run(self, cand: dict[str, Any]) -> Outcome | None:
         """The candidate's fresh-seed run, from the store (also after a resume): the gate's
         remeasure, if the gate finds it measured what its own would (run_gate checks)."""
-        run_id = next((s["run_id"] for s in reversed(cand["steps"]) if s["phase"] == "fresh"), None)
-        if run_id is None:
-            return None
+        run_id = _fresh_run_id(cand)
+        return None if run_id is None else self._stored(run_id)
+
+    def _stored(self, run_id: str) -> Outcome | None:
+        """A recorded run as an Outcome; None when it has no result (its worker died)."""
         try:
             result = self.s.store.get_result(run_id)
-        except LookupError:
-            return None
-        if result is None:
+        except StoreError:  # not found, or recorded without a result
             return None
         return Outcome(run_id, result.status, result, comparisons(result), None)
 
@@ -574,20 +574,18 @@ class Explorer:
         (outcome,) = self.s.submitter.submit([submission])
         seconds = time.monotonic() - started
         self._learn(outcome, seconds, estimates)
-        if estimates:
-            self._count_jobs(1, seconds, len(submission.job.stacks))
-        else:
-            self.jobs += 1
-            self.s.store.update_exploration(self.id, jobs=self.jobs, elapsed_s=self._elapsed())
+        self._count_jobs(1, seconds if estimates else None, len(submission.job.stacks))
         return outcome
 
     def _stacks(self, candidates: int) -> int:
         """Stacks in a job of `candidates`: stock and the champion come with them."""
         return 1 + (not jobs.same(self.champion, self.s.stock)) + candidates
 
-    def _count_jobs(self, n: int, seconds: float, stacks: int) -> None:
+    def _count_jobs(self, n: int, seconds: float | None, stacks: int) -> None:
+        """`n` more jobs; their `seconds` (None: not an estimate's sample) per stack."""
         self.jobs += n
-        self.stack_seconds += [seconds / max(n, 1) / max(stacks, 1)] * n
+        if seconds is not None:
+            self.stack_seconds += [seconds / max(n, 1) / max(stacks, 1)] * n
         self.s.store.update_exploration(self.id, jobs=self.jobs, elapsed_s=self._elapsed())
 
     def _recover(self, group: list[dict[str, Any]], phase: str) -> Outcome | None:
@@ -614,14 +612,11 @@ class Explorer:
             return self._submit(Submission(job, force=True, recordings_from=folder))
         if run["status"] == "RUNNING":
             return None  # reconciled runs are never RUNNING; one of another host: redo
-        try:
-            result = self.s.store.get_result(run["id"])
-        except LookupError:
-            result = None
-        if result is None:  # a worker that died outright: the run says why
+        outcome = self._stored(run["id"])
+        if outcome is None:  # a worker that died outright: the run says why
             error = self.s.store.get_run(run["id"], utterances=False).get("error")
             return Outcome(run["id"], "FAILED", None, {}, None, error=error)
-        return Outcome(run["id"], result.status, result, comparisons(result), None)
+        return outcome
 
     # --------------------------------------------------------------------- the journal
 
@@ -774,14 +769,14 @@ class Explorer:
     def _elapsed(self) -> float:
         return self.elapsed0 + (time.monotonic() - self.t0)
 
-    def _spent(
-        self, needs: int = 1, stacks: int = 1, names: list[str | None] | None = None
-    ) -> str | None:
-        """Why the budget allows no further `needs` jobs of `stacks` stacks each, or None.
-        With the candidates' `names` (None: not measured yet), a job is estimated from
-        what its stacks cost per clip (`_job_seconds`); else per stack (a dev job of five
-        stacks costs about 5/3 of a gate job of three), from the jobs so far."""
-        next_job = None if names is None else self._job_seconds(names)
+    def _spent(self, needs: int = 1, names: list[str | None] | None = None) -> str | None:
+        """Why the budget allows no further `needs` jobs of stock, the champion and the
+        candidates `names` (None: not measured yet), or None. A job is estimated from what
+        its stacks cost per clip (`_job_seconds`); before that is known, per stack (a dev
+        job of five stacks costs about 5/3 of a gate job of three), from the jobs so far."""
+        names = names if names is not None else [None]
+        stacks = self._stacks(len(names))
+        next_job = self._job_seconds(names)
         if next_job is None and self.stack_seconds:
             next_job = statistics.fmean(self.stack_seconds) * stacks
         return self.s.budget.spent(self._elapsed(), self.jobs, next_job, needs, stacks)
@@ -871,6 +866,11 @@ def _next_phase(cand: dict[str, Any]) -> str | None:
     if last is not None:
         return NEXT_PHASE.get(last["decision"])
     return "fresh" if cand["proposer"] == COMBINE else "dev"
+
+
+def _fresh_run_id(cand: dict[str, Any]) -> str | None:
+    """The run of the candidate's latest fresh-seed step, if it had one."""
+    return next((s["run_id"] for s in reversed(cand["steps"]) if s["phase"] == "fresh"), None)
 
 
 def _vs_parent(cand: dict[str, Any]) -> float:
