@@ -774,6 +774,33 @@ def test_resume_uses_the_recorded_job_and_measures_nothing_twice(
     assert sub.jobs == []
 
 
+def test_resume_after_a_worker_that_died_takes_its_error_not_a_crash(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dead session's job ended with its worker (a run FAILED, no result recorded): the
+    resumed exploration decides the candidate with the run's error instead of stopping on
+    the store's "no recorded result"."""
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    first = explorer(store, tmp_path, [Scripted([])])
+    spec = jobs.canonical(StackSpec(name="x", techniques=[TechniqueRef(name="audio_head")]), STOCK)
+    job = first._plan([spec], "dev", 1)
+    store.add_candidate(
+        first.id, proposer="scripted", change="+audio_head", proposal_reason="",
+        stack_name=spec.name, stack_hash=spec.content_hash(), spec=spec.model_dump(mode="json"),
+        identity=jobs.candidate_identity(job, spec, first.hardware), phase="dev",
+        job_id=job.job_id,
+    )  # fmt: skip
+    run_id = store.begin_run(job, job_identity(job))
+    store.fail_run(run_id, "FAILED", "worker killed by signal 9")
+    store.update_exploration(first.id, status="INTERRUPTED")
+    sub = FakeSubmitter(store)
+    resumed = explorer(store, tmp_path, [Scripted([])], sub, exploration_id=first.id)
+    resumed.run()
+    (row,) = store.list_candidates(first.id)
+    assert row["decision"] == "error" and "signal 9" in row["reason"]
+    assert sub.jobs == []  # judged from the record, not measured again
+
+
 # ------------------------------------------------------------------------------ proposers
 
 
