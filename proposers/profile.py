@@ -25,9 +25,8 @@ from typing import Any
 from orchestrate.api.config import StackSpec, TechniqueRef
 from orchestrate.api.proposer import ExplorationState, Proposal, Proposer
 from orchestrate.api.registry import StackError, build_stack, get
+from orchestrate.api.technique import HOST
 from orchestrate.proposers import graph
-
-HOST = "host"  # the profile's idle-GPU time per step (explore.state.profile_of)
 
 
 class ProfileProposer(Proposer):

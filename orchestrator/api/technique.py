@@ -34,8 +34,10 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrate.api.config import StackSpec
 
-# Profile entries that are not slots: `Technique.reduces` may name only these.
-PROFILE_COSTS = ("host",)
+# Profile entries that are not slots: `Technique.reduces` may name only these. HOST: the
+# time per step the GPU sits idle (explore.state.profile_of).
+HOST = "host"
+PROFILE_COSTS = (HOST,)
 
 
 class Refused(RuntimeError):

@@ -13,7 +13,7 @@ from orchestrate.api.config import StackSpec
 from orchestrate.api.proposer import ExplorationState, Tried
 from orchestrate.api.records import StackResult
 from orchestrate.api.registry import catalogue
-from orchestrate.api.technique import DeviceCaps
+from orchestrate.api.technique import HOST, DeviceCaps
 
 PROFILE_PREFIX = "slot_ms."  # per-slot time of a stack, where the worker measured it
 HOST_WALL, GPU_BUSY = "ms_per_token", "gpu_busy_ms_per_step"  # a step is a token here
@@ -70,7 +70,7 @@ def profile_of(result: StackResult | None) -> dict[str, float]:
         if key.startswith(PROFILE_PREFIX)
     }
     if out and HOST_WALL in m and GPU_BUSY in m:
-        out["host"] = max(0.0, m[HOST_WALL] - m[GPU_BUSY])
+        out[HOST] = max(0.0, m[HOST_WALL] - m[GPU_BUSY])
     return out
 
 
@@ -78,10 +78,10 @@ def describe_profile(profile: dict[str, float]) -> str:
     """One line for the log: each entry's ms per step, costliest first."""
     if not profile:
         return "not measured (no slot timings)"
-    slots = sorted(((k, v) for k, v in profile.items() if k != "host"), key=lambda kv: -kv[1])
+    slots = sorted(((k, v) for k, v in profile.items() if k != HOST), key=lambda kv: -kv[1])
     text = "slots " + ", ".join(f"{k} {v:.3g} ms" for k, v in slots) + " per step"
-    if "host" in profile:
-        text = f"host {profile['host']:.3g} ms (the GPU idle); " + text
+    if HOST in profile:
+        text = f"{HOST} {profile[HOST]:.3g} ms (the GPU idle); " + text
     return text
 
 

@@ -131,16 +131,16 @@ def run_gate(
     planned = plan_job(model, remeasure, stacks, protocol, runs_dir)
     why_not = None if remeasured is None else _not_a_remeasure(remeasured, planned, hardware)
     if remeasured is not None and why_not is None:
-        first = remeasured
-        message = f"remeasure: fresh-seed run {first.run_id[:12]} of the same stacks"
+        message = f"remeasure: fresh-seed run {remeasured.run_id[:12]} of the same stacks"
+        on_event({"event": "status", "message": message})
+        first, report["remeasure_from"] = remeasured, "the exploration"
     else:
         message = "fresh post-warm-up remeasure (dev prompts)"
-        message += f" (run {remeasured.run_id[:12]} cannot stand in: {why_not})" if why_not else ""
-        first = None
-    on_event({"event": "status", "message": message})
-    first = first or submit(planned)
+        if remeasured is not None:
+            message += f" (run {remeasured.run_id[:12]} cannot stand in: {why_not})"
+        on_event({"event": "status", "message": message})
+        first, report["remeasure_from"] = submit(planned), "this gate"
     report["remeasure_run"] = first.run_id
-    report["remeasure_from"] = "this gate" if first is not remeasured else "the exploration"
     if first.result is None:
         report["verdict"] = {"verdict": "retain", "failure": "crash", "reasons": [first.error]}
         return report
