@@ -125,3 +125,19 @@ def without(stack: StackSpec, name: str, catalogue: dict[str, dict[str, Any]]) -
     refs = [t for t in stack.techniques if t.name not in gone]
     candidate = stack.model_copy(update={"name": f"{stack.name}-x", "techniques": refs})
     return candidate if valid(candidate) else None
+
+
+def exact(catalogue: dict[str, dict[str, Any]], added: list[str]) -> bool:
+    """Every technique of `added` declares itself exact (what fidelity then checks)."""
+    return all(catalogue[t].get("exact", False) for t in added)
+
+
+def change(champion: StackSpec, stack: StackSpec, name: str, gone: list[str]) -> str:
+    """How a proposal names its step from `champion` to `stack`: "+graph_loop (with
+    device_sampler; instead of cuda_graph)", what came along and what went out."""
+    had = names(champion)
+    brought = [t for t in names(stack) if t not in had and t != name]
+    notes = ([f"with {', '.join(brought)}"] if brought else []) + (
+        [f"instead of {', '.join(gone)}"] if gone else []
+    )
+    return f"+{name}" + (f" ({'; '.join(notes)})" if notes else "")

@@ -49,14 +49,11 @@ class Ladder(Proposer):
             if stack is None or technique_key(stack) in tried:
                 continue
             had = graph.names(state.champion)
-            needs = [t for t in graph.names(stack) if t not in had and t != name]
-            kind = "exact" if _exact(state, [*needs, name]) else "approximate"
+            added = [t for t in graph.names(stack) if t not in had]
+            kind = "exact" if graph.exact(state.catalogue, added) else "approximate"
             slots = ", ".join(meta["slots"] + meta["wraps"]) or "-"
             why = f"{kind}, slot {slots}: {meta['summary']}"
-            notes = ([f"with {', '.join(needs)}"] if needs else []) + (
-                [f"instead of {', '.join(gone)}"] if gone else []
-            )
-            change = f"+{name}" + (f" ({'; '.join(notes)})" if notes else "")
+            change = graph.change(state.champion, stack, name, gone)
             out.append(Proposal(stack=stack, change=change, reason=why))
             if len(out) == n:
                 break
@@ -68,12 +65,8 @@ class Ladder(Proposer):
         device requirements, the family's slot order, fewer techniques added, the name."""
         meta = state.catalogue[name]
         needs = graph.needs_of(state.champion, name, state.catalogue)
-        exact = _exact(state, [*needs, name])
+        exact = graph.exact(state.catalogue, [*needs, name])
         return (not exact, len(meta["requires"]), _slot_rank(state, meta), len(needs), name)
-
-
-def _exact(state: ExplorationState, added: list[str]) -> bool:
-    return all(state.catalogue[t]["exact"] for t in added)
 
 
 def _knob_only(meta: dict[str, Any]) -> bool:

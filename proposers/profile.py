@@ -122,12 +122,8 @@ def candidates(state: ExplorationState, key: str) -> list[str]:
         brings = graph.needs_of(state.champion, name, state.catalogue)
         if not all(graph.runs_here(state.catalogue[t], state.device_caps) for t in [*brings, name]):
             continue
-        found.append((not _exact(state, [*brings, name]), name))
+        found.append((not graph.exact(state.catalogue, [*brings, name]), name))
     return [name for _, name in sorted(found)]
-
-
-def _exact(state: ExplorationState, names: list[str]) -> bool:
-    return all(state.catalogue[t].get("exact", False) for t in names)
 
 
 def _move(state: ExplorationState, name: str) -> tuple[StackSpec, str] | None:
@@ -141,7 +137,7 @@ def _move(state: ExplorationState, name: str) -> tuple[StackSpec, str] | None:
         if swap is None:
             return None
         stack, gone = swap
-        return _named(state, stack), f"+{name} ({_notes(champ, stack, name, gone)})"
+        return _named(state, stack), graph.change(champ, stack, name, gone)
     occupants = [
         t.name for t in champ.techniques if set(cat[name]["slots"]) & set(cat[t.name]["slots"])
     ]
@@ -159,17 +155,7 @@ def _move(state: ExplorationState, name: str) -> tuple[StackSpec, str] | None:
     stack = graph.extend(champ, name, cat, state.device_caps)
     if stack is None:
         return None
-    notes = _notes(champ, stack, name, [])
-    return _named(state, stack), f"+{name}" + (f" ({notes})" if notes else "")
-
-
-def _notes(champ: StackSpec, stack: StackSpec, name: str, gone: list[str]) -> str:
-    had = graph.names(champ)
-    brought = [t for t in graph.names(stack) if t not in had and t != name]
-    notes = ([f"with {', '.join(brought)}"] if brought else []) + (
-        [f"instead of {', '.join(gone)}"] if gone else []
-    )
-    return "; ".join(notes)
+    return _named(state, stack), graph.change(champ, stack, name, [])
 
 
 def _named(state: ExplorationState, stack: StackSpec) -> StackSpec:
