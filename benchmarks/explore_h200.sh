@@ -2,7 +2,8 @@
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh; bash benchmarks/explore_h200.sh [--from STACK] [--budget 5m] [--per-job N]
 # Jobs run in one warm worker (the model is built once); `--fresh-worker` for one per job.
 # Real shape, random weights, the gpu-explore workload (3 prompts x seed 42, 24 frames) under
-# the manual gpu-explore protocol. The database comes back whole ($OUT/explore.db: every
+# the manual gpu-explore protocol (EXPLORE_FAMILY=omnivoice: ov-explore's workload and
+# protocol, e.g. EXPLORE_PROPOSERS="--proposer ladder --proposer params" ... --from ov-a). The database comes back whole ($OUT/explore.db: every
 # candidate, run, decision and holdout audit); WAVs stay behind (too many files for one
 # call), so the report made from it says it has no listening pack.
 db=/tmp/explore.db
@@ -13,8 +14,13 @@ if [ "$1" = "--resume" ]; then
 else
     # EXPLORE_PROPOSERS: the proposers, in turn order (default: profile first, then ladder).
     read -ra proposers <<< "${EXPLORE_PROPOSERS:---proposer profile --proposer ladder}"
-    args=(--model rumik-oss-1 --device cuda --workload gpu-explore
-          --protocol configs/protocols/gpu-explore.yaml "${proposers[@]}" "$@")
+    # EXPLORE_FAMILY=omnivoice: the OmniVoice model, ov-explore workload and protocol.
+    if [ "${EXPLORE_FAMILY:-rumik}" = omnivoice ]; then
+        target=(--model omnivoice --workload ov-explore --protocol configs/protocols/ov-explore.yaml)
+    else
+        target=(--model rumik-oss-1 --workload gpu-explore --protocol configs/protocols/gpu-explore.yaml)
+    fi
+    args=("${target[@]}" --device cuda "${proposers[@]}" "$@")
 fi
 timeout "${EXPLORE_TIMEOUT:-560}" python3 -m orchestrate.cli explore "${args[@]}" --no-mlflow \
     --db "sqlite:///$db" --runs-dir /tmp/explore-runs 2>&1 | tee "$OUT/explore.log"

@@ -6,7 +6,9 @@ and that the registry accepts at some place in the stack (no conflict). A techni
 needs others (`after`) the champion lacks brings them along ("+graph_loop (with
 static_kv_cache, device_sampler)"): otherwise a loop that needs a cache is never tried
 from stock, and the largest single step of both write-ups is out of the ladder's reach.
-A technique that conflicts with one the champion has takes its place ("+graph_loop (with
+A technique whose step could not run on this device (refused at build: a missing package, a
+mode for CUDA only) is not proposed again on a later champion. A technique that conflicts
+with one the champion has takes its place ("+graph_loop (with
 device_sampler; instead of cuda_graph)"): the write-ups went from a per-token CUDA graph to a
 captured decode loop, which a ladder that only adds would never reach. Decoding knobs
 (techniques claiming only `knob.*` slots) are left to `params`.
@@ -36,10 +38,13 @@ class Ladder(Proposer):
 
     def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
         tried = state.tried_keys() | {technique_key(state.champion)}
+        refused = state.refused_techniques()
         out = []
         for name in sorted(state.catalogue, key=lambda t: self.prior(state, t)):
             meta = state.catalogue[name]
             if _knob_only(meta) or not graph.runs_here(meta, state.device_caps):
+                continue
+            if name in refused:  # it could not run here on an earlier champion
                 continue
             stack = graph.extend(state.champion, name, state.catalogue, state.device_caps)
             gone: list[str] = []

@@ -23,7 +23,7 @@ from factories import run_cli as cli
 from factories import stack_result
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
-from orchestrate.api.proposer import ExplorationState, Proposal, Proposer, ProposerError
+from orchestrate.api.proposer import ExplorationState, Proposal, Proposer, ProposerError, Tried
 from orchestrate.api.protocol import Gate, MetricDef, Protocol, QualitySpec, SpeedRule
 from orchestrate.api.records import (
     EnvironmentInfo,
@@ -233,6 +233,27 @@ def test_approximate_stacks_pass_random_weights_only_through_fidelity_thresholds
     assert (broken.decision, broken.cause) == ("drop", "gate")
     assert "fidelity_topk" in broken.reason
     real = judge(cand, stock, random_weights=False)  # real weights: the gate's scorers judge
+    assert real.decision == "remeasure" and real.quality_path == decisions.QUALITY
+
+
+def test_a_technique_in_a_slot_fidelity_never_ran_is_not_judged_on_random_weights() -> None:
+    # A third-party plugin declares exact and sits where the comparison never looks (a
+    # codec, a step schedule): within tolerance says nothing about it.
+    spec = StackSpec(name="codec", techniques=[TechniqueRef(name="audio_head")])
+    stock = stack_result(STOCK, 1.0).model_copy(update={"fidelity": fidelity()})
+    unseen = fidelity().model_copy(update={"not_covered": {"codec": "lying_codec"}})
+    liar = stack_result(spec, 0.5).model_copy(update={"fidelity": unseen})
+    step = judge(liar, stock, protocol=protocol(fidelity_gate=True))
+    assert (step.decision, step.cause, step.quality_path) == ("drop", "gate", decisions.NOT_JUDGED)
+    assert "declared exact, but fidelity never ran codec (lying_codec)" in step.reason
+    # approximate (fewer steps): the per-step thresholds hold, and still cannot vouch for it
+    fewer = liar.model_copy(
+        update={"exact": False, "fidelity": unseen.model_copy(update={"within_tolerance": False})}
+    )
+    approx = judge(fewer, stock, protocol=protocol(fidelity_gate=True))
+    assert approx.decision == "drop" and approx.reason.count("approximate, but fidelity never")
+    # real weights: the gate's quality gates hear the audio, whatever the slot
+    real = judge(liar, stock, random_weights=False)
     assert real.decision == "remeasure" and real.quality_path == decisions.QUALITY
 
 
@@ -802,6 +823,38 @@ def test_resume_after_a_worker_that_died_takes_its_error_not_a_crash(
 
 
 # ------------------------------------------------------------------------------ proposers
+
+
+def test_a_step_refused_on_this_device_is_not_proposed_again_and_spends_no_patience() -> None:
+    from orchestrate.explore.loop import _since_gain
+
+    ov_a = StackSpec(name="ov-a", family="omnivoice", techniques=[])
+    cat = state.technique_catalogue("omnivoice")
+    view = ExplorationState("omnivoice", "cpu", ["cpu"], ov_a, None, ov_a, 1.05, cat)
+    first = [p.change for p in Ladder().propose(view, 3)]
+    assert first[0] == "+flash_attention_2"  # exact, no declared requirement: first in line
+    refused = Tried(
+        stack=Ladder().propose(view, 1)[0].stack, change="+flash_attention_2", proposer="ladder",
+        decision="error", reason="refused: OmniVoice does not support Flash Attention 2 yet",
+    )  # fmt: skip
+    slower = Tried(stack=ov_a, change="+use_cache_off", proposer="ladder", decision="drop",
+                   reason="dev: 0.99x")  # fmt: skip
+    assert refused.refused_here and not slower.refused_here
+    champion = StackSpec(
+        name="c", family="omnivoice", techniques=[TechniqueRef(name="use_cache_off")]
+    )
+    later = ExplorationState("omnivoice", "cpu", ["cpu"], champion, None, ov_a, 1.05, cat,
+                             tried=[refused, slower])  # fmt: skip
+    assert later.refused_techniques() == {"flash_attention_2"}
+    assert not any("flash_attention_2" in p.change for p in Ladder().propose(later, 20))
+    rows = [
+        {"status": "decided", "decision": "accept", "reason": "gate"},
+        {"status": "decided", "decision": "error", "reason": refused.reason},
+        {"status": "decided", "decision": "error", "reason": "partial: skipped on this device"},
+        {"status": "decided", "decision": "drop", "reason": "slower"},
+        {"status": "decided", "decision": "error", "reason": "failed: CUDA out of memory"},
+    ]
+    assert _since_gain(rows) == 2  # the drop and the crash; the two that never ran do not
 
 
 def test_ladder_and_ablation_walk_the_technique_graph() -> None:

@@ -328,6 +328,37 @@ def test_fidelity_flags_approximate_stacks(family, model):
     assert not recs["late"].within_tolerance and recs["late"].mean_kl > 0
 
 
+def test_fidelity_covers_the_codec_it_filled_and_not_the_step_count(family, model):
+    """Guidance changes the guided log-probs teacher forcing compares: covered. The step
+    count changes the schedule, which one step at a time on stock's canvases cannot see: not
+    covered. A filled codec decodes stock's codes and is compared; one that corrupts its
+    output is out of tolerance, however it is declared."""
+    from orchestrate.techniques.omnivoice.codec_compile import BatchedCodec
+
+    codec = engine_for(family, model, {"name": "codec_compile", "params": {"mode": "none"}})
+    broken = engine_for(family, model, {"name": "codec_compile", "params": {"mode": "none"}})
+
+    class Backwards(BatchedCodec):  # (a louder one would be undone by post-processing)
+        def waveforms(self, codes):
+            return super().waveforms(codes)[:, ::-1].copy()
+
+    broken.codec = Backwards(model.ov.audio_tokenizer, "none")
+    engines = {
+        "codec": codec,
+        "broken": broken,
+        "guided": engine_for(family, model, {"name": "guidance_scale", "params": {"value": 2.5}}),
+        "steps": engine_for(family, model, {"name": "num_step", "params": {"value": 8}}),
+    }
+    recs = family.fidelity(model, engines, workload(), 4)
+    assert "codec" in recs["codec"].covers and recs["codec"].not_covered == {}
+    assert recs["codec"].codec_rel_diff is not None and recs["codec"].codec_rel_diff <= 1e-3
+    assert recs["codec"].within_tolerance
+    assert recs["broken"].codec_rel_diff > 0.1 and not recs["broken"].within_tolerance
+    assert recs["guided"].not_covered == {} and recs["guided"].mean_kl > 0
+    assert recs["steps"].not_covered == {"knob.num_step": "num_step"}
+    assert recs["steps"].codec_rel_diff is None  # stock's codec: nothing to compare
+
+
 # ------------------------------------------------------------------- end to end
 
 

@@ -35,9 +35,12 @@ TOP_K = 5
 # Free-running codes must also agree: fewer steps leave every per-step distribution alone
 # and still change the result. Below 1.0 so an exact half-precision stack may flip a few.
 CODE_AGREEMENT = 0.95
-# Free running goes through the engine's loop and every slot it reads; the codes are
-# compared, never the audio, so the codec slot is not covered.
-COVERS = tuple(s for s in SLOTS if s != "codec")
+# Free running goes through the engine's loop and every slot it reads, and teacher forcing
+# applies the stack's guidance scale; the other decoding knobs (the step count, the
+# schedule's shift, the temperatures) change the schedule or the draws, which a comparison
+# one step at a time on stock's canvases cannot see: they stay not covered. The codec is
+# covered where the stack fills it: it decodes stock's codes and the audio is compared.
+COVERS = (*(s for s in SLOTS if s != "codec"), "knob.guidance_scale")
 
 
 @torch.inference_mode()
@@ -68,15 +71,32 @@ def against_stock(
     ref_lp = [guided(stock, task, c, i, cfg.num_step) for i, c in enumerate(canvases)]
 
     tol = FP32_TOLERANCE if model.dtype == torch.float32 else HALF_TOLERANCE
+    ref_audio = None
     out = {}
     for name, eng in engines.items():
         codes = free_running(eng, task, seed)
         lps = [guided(eng, task, c, i, cfg.num_step) for i, c in enumerate(canvases)]
-        missed = {slot: t for slot, t in eng.filled.items() if slot not in COVERS}
-        out[name] = compare(ref_lp, lps, canvases, ref_codes, codes, tol, model).model_copy(
-            update={"covers": list(COVERS), "not_covered": missed}
-        )
+        rec = compare(ref_lp, lps, canvases, ref_codes, codes, tol, model)
+        covers = list(COVERS)
+        if "codec" in eng.filled:
+            if ref_audio is None:
+                ref_audio = stock.codec(stock, [ref_codes], [None], cfg)[0]
+            rel = codec_difference(ref_audio, eng.codec(eng, [ref_codes], [None], cfg)[0])
+            covers.append("codec")
+            held = rec.within_tolerance and rel <= tol
+            rec = rec.model_copy(update={"codec_rel_diff": rel, "within_tolerance": held})
+        missed = {slot: t for slot, t in eng.filled.items() if slot not in covers}
+        out[name] = rec.model_copy(update={"covers": covers, "not_covered": missed})
     return out
+
+
+def codec_difference(ref: Any, other: Any) -> float:
+    """Max |difference| of two decodings of the same codes over the reference's std (inf
+    when their lengths differ)."""
+    a, b = torch.as_tensor(ref).float().flatten(), torch.as_tensor(other).float().flatten()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max() / a.std().clamp_min(1e-9))
 
 
 def free_running(engine: Engine, task: Any, seed: int) -> torch.Tensor:

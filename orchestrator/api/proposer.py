@@ -69,6 +69,10 @@ def technique_key(stack: StackSpec) -> str:
     return json.dumps({"family": stack.family, "techniques": techniques}, sort_keys=True)
 
 
+# How a dev step's reason starts when its stack could not run here (explore.decisions).
+REFUSED_HERE = ("refused:", "partial:")
+
+
 @dataclass(frozen=True)
 class Proposal:
     """One stack to try: the full stack, what it changes against its parent, and why."""
@@ -93,6 +97,12 @@ class Tried:
     headline_hi: float | None = None
     quality: dict[str, float] = field(default_factory=dict)  # metric -> value, when scored
 
+    @property
+    def refused_here(self) -> bool:
+        """It could not run on this device: refused at build (a package, a mode for CUDA
+        only, a model the technique cannot patch) or run with a technique skipped."""
+        return self.decision == "error" and self.reason.startswith(REFUSED_HERE)
+
 
 @dataclass(frozen=True)
 class ExplorationState:
@@ -111,6 +121,15 @@ class ExplorationState:
     tried: list[Tried] = field(default_factory=list)
     profile: dict[str, float] = field(default_factory=dict)  # slot -> ms per step, champion
     pending: list[StackSpec] = field(default_factory=list)  # proposed this round, undecided
+
+    def refused_techniques(self) -> set[str]:
+        """Techniques whose one-technique step ("+name ...") could not run on this device: a
+        ladder that proposes them again on every new champion only spends jobs."""
+        return {
+            t.change.split()[0][1:]
+            for t in self.tried
+            if t.refused_here and t.change.startswith("+")
+        }
 
     def tried_keys(self) -> set[str]:
         """technique_key of every stack tried or pending (names aside: the loop names

@@ -254,6 +254,11 @@ class FidelityRecord(Record):
     loop_first_divergence: int | None = Field(
         None, description="The first token index where the two loops differ; None if none."
     )
+    codec_rel_diff: float | None = Field(
+        None,
+        description="Codec slot, when a technique fills it: max |difference| between its "
+        "decoding of stock's codes and stock's, over the std of stock's (None: not measured).",
+    )
     loop_note: str | None = Field(
         None, description="What the loop comparison ran, and what a difference can mean."
     )

@@ -16,7 +16,10 @@ Quality paths: a stack whose techniques all declare exact needs its exactness me
 (fidelity within tolerance; a failed claim is a guard). An approximate stack on random
 weights can pass only through the protocol's fidelity thresholds (gates on `fidelity_*`
 metrics), judged here on the dev job's fidelity; with real weights the gate's quality gates
-judge it. Every decision says which path judged it.
+judge it. A stack with a technique in a slot its fidelity comparison never ran (the
+record's `not_covered`: a step schedule, a codec) has nothing measured there, so on random
+weights it is not judged at all, whatever its plugin declares. Every decision says which
+path judged it.
 """
 
 from __future__ import annotations
@@ -126,10 +129,17 @@ def quality_path(
     cand: StackResult, stock: StackResult, protocol: Protocol, random_weights: bool
 ) -> tuple[str, str | None]:
     """(which path judges the candidate's quality, why it fails there or None)."""
-    if cand.exact and cand.fidelity is not None:
+    unseen = _unseen(cand.fidelity)
+    if cand.exact and cand.fidelity is not None and not unseen:
         return EXACT, None  # within tolerance, or the exactness guard has refused it
     if not random_weights:
         return QUALITY, None
+    if unseen:  # what fidelity never ran, no threshold on it can vouch for
+        claim = "declared exact" if cand.exact else "approximate"
+        return NOT_JUDGED, (
+            f"{claim}, but fidelity never ran {unseen}: what changes there is the plugin's "
+            "word, and quality cannot be judged on random weights"
+        )
     if cand.exact:
         return NOT_JUDGED, (
             "declared exact but exactness was not measured (no fidelity record), and quality "
@@ -149,6 +159,13 @@ def quality_path(
     if failed:
         return FIDELITY, "fidelity thresholds not held: " + "; ".join(failed)
     return FIDELITY, None
+
+
+def _unseen(fidelity: FidelityRecord | None) -> str:
+    """The slots a stack filled that its fidelity comparison never ran ("" when none)."""
+    if fidelity is None or not fidelity.not_covered:
+        return ""
+    return ", ".join(f"{slot} ({tech})" for slot, tech in sorted(fidelity.not_covered.items()))
 
 
 def fidelity_gates(protocol: Protocol) -> list[Any]:

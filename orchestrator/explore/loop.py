@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload
-from orchestrate.api.proposer import Decision, Proposal, Proposer, ProposerError
+from orchestrate.api.proposer import REFUSED_HERE, Decision, Proposal, Proposer, ProposerError
 from orchestrate.api.protocol import Protocol, ProtocolError, phase_workload
 from orchestrate.api.records import JobSpec, utcnow
 from orchestrate.api.registry import StackError
@@ -154,7 +154,7 @@ class Explorer:
         for cand in sorted(seen.values(), key=lambda c: c["seq"]):
             if cand["decision"] == "accept":
                 self.since_gain, moved = 0, True
-            else:
+            elif not _refused_here(cand):
                 self.since_gain += 1
         return moved
 
@@ -879,13 +879,19 @@ def _vs_parent(cand: dict[str, Any]) -> float:
 
 
 def _since_gain(candidates: list[dict[str, Any]]) -> int:
-    """Decided candidates since the last accept (patience carries over a resume)."""
+    """Decided candidates since the last accept that ran (patience carries over a resume)."""
     n = 0
     for c in candidates:
-        if c["status"] != "decided":
+        if c["status"] != "decided" or _refused_here(c):
             continue
         n = 0 if c["decision"] == "accept" else n + 1
     return n
+
+
+def _refused_here(cand: dict[str, Any]) -> bool:
+    """A candidate that could not run on this device measured nothing, so it spends no
+    patience (the budget still bounds it, and the ladder does not propose it again)."""
+    return cand["decision"] == "error" and (cand["reason"] or "").startswith(REFUSED_HERE)
 
 
 def _headline_text(cand: dict[str, Any]) -> str:
