@@ -359,6 +359,42 @@ def test_fidelity_covers_the_codec_it_filled_and_not_the_step_count(family, mode
     assert recs["steps"].codec_rel_diff is None  # stock's codec: nothing to compare
 
 
+def test_half_precision_fidelity_measures_against_stocks_own_rounding(family):
+    """bf16: a forward that rounds its own way (here: its logits moved by about one bf16
+    step) is exact within stock's noise floor against fp32, and not held to the codes,
+    whose loop slots it then does not cover; one that changes the logits is outside; a
+    step-count stack keeps stock's numerics and is held to the codes."""
+    half = family.build_model(ModelSpec(family="omnivoice", preset="tiny", dtype="bfloat16"))
+
+    def moved(scale: float):
+        eng = engine_for(family, half, {"name": "use_cache_off"})
+        inner = eng.forward
+
+        def forward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            return out + scale * out.abs().mean() * torch.randn_like(out)
+
+        eng.forward = forward
+        return eng
+
+    torch.manual_seed(3)
+    engines = {
+        "rounding": moved(2**-9),
+        "wrong": moved(0.5),
+        "steps": engine_for(family, half, {"name": "num_step", "params": {"value": 8}}),
+        "looped": engine_for(family, half, {"name": "use_cache_off"}),
+    }
+    engines["looped"].filled["loop"] = "some_loop"  # a loop technique on a new forward
+    recs = family.fidelity(half, engines, workload(), 4)
+    rounding = recs["rounding"]
+    assert rounding.noise_floor_max_abs and rounding.noise_floor_max_abs > 0
+    assert rounding.logits_within_tolerance and rounding.within_tolerance
+    assert "loop" not in rounding.covers and "forward" in rounding.covers
+    assert not recs["wrong"].logits_within_tolerance and not recs["wrong"].within_tolerance
+    assert recs["steps"].logits_within_tolerance and not recs["steps"].within_tolerance
+    assert recs["looped"].not_covered == {"loop": "some_loop"}
+
+
 # ------------------------------------------------------------------- end to end
 
 

@@ -10,11 +10,20 @@ same request and seed in two ways, stored in the shared FidelityRecord:
   masked positions are compared with stock's (max |diff|, KL per step, top-5 overlap).
   A stack with other step counts uses its guidance at the same fraction of the schedule.
 
-`within_tolerance` needs both: distributions within tolerance and codes agreeing.
+`within_tolerance` needs both: distributions within tolerance and codes agreeing. In half
+precision no fixed bar is honest (a compiled forward rounds every matmul its own way), so,
+as for Rumik, stock and the stack are both measured against an fp32 upcast of the same
+weights, and the stack must stay within NOISE_FACTOR of stock's own rounding error (its
+noise floor). Free-running codes from two forwards that round differently part ways after a
+few steps by rounding alone (a compiled forward's codes agreed with stock's on 45% of
+positions on the H200), so in half precision a stack with its own forward numerics is not
+held to the codes, and the loop slots it fills are not covered: the codes cannot test them.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -35,6 +44,9 @@ TOP_K = 5
 # Free-running codes must also agree: fewer steps leave every per-step distribution alone
 # and still change the result. Below 1.0 so an exact half-precision stack may flip a few.
 CODE_AGREEMENT = 0.95
+NOISE_FACTOR = 2.0  # half precision: within this factor of stock's own error vs fp32
+NUMERICS = ("forward", "guidance")  # slots whose technique computes the log-probs its own way
+LOOP_PARTS = ("schedule", "unmask", "loop")  # tested only by the free-running codes
 # Free running goes through the engine's loop and every slot it reads, and teacher forcing
 # applies the stack's guidance scale; the other decoding knobs (the step count, the
 # schedule's shift, the temperatures) change the schedule or the draws, which a comparison
@@ -71,6 +83,12 @@ def against_stock(
     ref_lp = [guided(stock, task, c, i, cfg.num_step) for i, c in enumerate(canvases)]
 
     tol = FP32_TOLERANCE if model.dtype == torch.float32 else HALF_TOLERANCE
+    fp32_lp = floor = None
+    if model.dtype != torch.float32:
+        fp32 = stock_engine(upcast(model), reimplemented=True)
+        fp32_lp = [guided(fp32, task, c, i, cfg.num_step) for i, c in enumerate(canvases)]
+        floor = compare(fp32_lp, ref_lp, canvases, ref_codes, ref_codes, tol, model)
+        del fp32
     ref_audio = None
     out = {}
     for name, eng in engines.items():
@@ -78,6 +96,9 @@ def against_stock(
         lps = [guided(eng, task, c, i, cfg.num_step) for i, c in enumerate(canvases)]
         rec = compare(ref_lp, lps, canvases, ref_codes, codes, tol, model)
         covers = list(COVERS)
+        if fp32_lp is not None and floor is not None:
+            vs32 = compare(fp32_lp, lps, canvases, ref_codes, codes, tol, model)
+            rec, covers = against_floor(rec, vs32, floor, eng)
         if "codec" in eng.filled:
             if ref_audio is None:
                 ref_audio = stock.codec(stock, [ref_codes], [None], cfg)[0]
@@ -88,6 +109,41 @@ def against_stock(
         missed = {slot: t for slot, t in eng.filled.items() if slot not in covers}
         out[name] = rec.model_copy(update={"covers": covers, "not_covered": missed})
     return out
+
+
+def upcast(model: OmniVoiceModel) -> OmniVoiceModel:
+    """The same (rounded) weights in fp32: what half-precision error is measured against."""
+    return dataclasses.replace(model, ov=copy.deepcopy(model.ov).float())
+
+
+def against_floor(
+    rec: FidelityRecord, vs32: FidelityRecord, floor: FidelityRecord, engine: Engine
+) -> tuple[FidelityRecord, list[str]]:
+    """Half precision: the logits within NOISE_FACTOR of stock's own error against fp32; the
+    codes only where the stack computes the log-probs as stock does (else its loop slots
+    are not covered). Returns the record and the slots it covers."""
+    logits_ok = (
+        vs32.max_abs_logit_diff <= NOISE_FACTOR * floor.max_abs_logit_diff
+        and vs32.mean_kl <= NOISE_FACTOR * floor.mean_kl
+    )
+    own_numerics = any(s in engine.filled for s in NUMERICS)
+    codes_ok = own_numerics or rec.top1_agreement >= CODE_AGREEMENT
+    covers = list(COVERS)
+    note = None
+    if own_numerics:
+        covers = [s for s in covers if s not in LOOP_PARTS]
+        note = (
+            "half precision, own forward numerics: its free-running codes part from stock's "
+            "by rounding alone, so they test no loop slot"
+        )
+    update = {
+        "within_tolerance": logits_ok and codes_ok,
+        "logits_within_tolerance": logits_ok,
+        "noise_floor_max_abs": floor.max_abs_logit_diff,
+        "noise_floor_kl": floor.mean_kl,
+        "loop_note": note,
+    }
+    return rec.model_copy(update=update), covers
 
 
 def codec_difference(ref: Any, other: Any) -> float:
@@ -159,7 +215,9 @@ def compare(
     agreement = float((codes == ref_codes).float().mean()) if same_len else 0.0
     return FidelityRecord(
         steps=len(ref),
-        max_abs_logit_diff=max_diff,
+        # columns finite in one and not the other (a mask moved): as large a difference as
+        # a float32 holds (JSON has no infinity), so no bar can pass it
+        max_abs_logit_diff=max_diff if finite_ok else float(torch.finfo(torch.float32).max),
         mean_kl=sum(kls) / len(kls),
         max_kl=max(kls),
         top1_agreement=agreement,
