@@ -37,6 +37,8 @@ COLUMNS = [
     ("gpu_busy_ms_per_step", "GPU-busy ms/tok", "{:.2f}"),
     ("achieved_gb_s", "GB/s", "{:.0f}"),
     ("fraction_of_floor", "of floor", "{:.0%}"),
+    # GPU runs only (running/gpu_memory.py): model + its engine + its timed transient
+    ("gpu_needed_gb", "GPU GB needed", "{:.2f}"),
     (HEADLINE, "speedup", ""),  # header and cell: headline_label, headline_cell
     (AGGREGATE, AGGREGATE_LABEL, "{:.2f}x"),
 ]

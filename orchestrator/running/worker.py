@@ -46,6 +46,7 @@ from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps, Refused
 from orchestrate.running import environment, guards
 from orchestrate.running.audio import integrity, write_wav
+from orchestrate.running.gpu_memory import StackMemory
 from orchestrate.running.metrics import point_metrics, summarize
 
 
@@ -225,6 +226,8 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     memory("model built")
     caps = DeviceCaps.probe(job.model.device)
     device = torch.device(job.model.device)
+    per_stack = StackMemory(device)  # what each stack needs, not the process's peak
+    per_stack.model_built()
 
     results: dict[str, StackResult] = {}
     engines: dict[str, Any] = {}
@@ -239,7 +242,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             # No autograd while building: a technique that derives tensors from parameters
             # (int8 quantization) would otherwise keep their whole graph alive, fp32
             # intermediates included: 25.4 GB of exp74-full's 32.5 GB on the H200.
-            with torch.no_grad():
+            with torch.no_grad(), per_stack.holding(spec.name):
                 engines[spec.name] = family.build_engine(model, built)
             memory(f"engine {spec.name} built")
         except Refused as exc:
@@ -259,7 +262,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
 
     wl = sealed.resolve(job.workload, job.sealed_file)  # holdout texts: in memory only
     _fault("warmup", out_dir)
-    _warm_up(family, engines, results, wl)
+    _warm_up(family, engines, results, wl, per_stack)
     memory("warmed up")
     _fault("fidelity", out_dir)
     if job.fidelity_steps and engines:
@@ -289,9 +292,8 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             if results[name].status == "failed" or (name, prompt.id, seed) in carried:
                 continue
             try:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                syn = family.synthesize(engines[name], prompt.text, seed, wl)
+                with per_stack.timing(name):  # resets the peak: peak_memory_bytes reads it
+                    syn = family.synthesize(engines[name], prompt.text, seed, wl)
                 guards.check_waveform(syn)  # on the host, finite, not empty: inside its time
                 ttfa = _time_to_first_audio(family, engines[name], prompt.text, seed, wl)
             except Exception as exc:
@@ -329,6 +331,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             res.metrics.update(launches.get(name, {}))
             res.metrics.update(slot_ms.get(name, {}))
             res.metrics.update(_forward_metrics(res, env))
+            res.metrics.update(per_stack.metrics(name))
         res.audio_independent_of_input = prints.find(name)
         guards.mark(res)  # faster than its floor: invalid; every guard's verdict in metrics
     statuses = {r.status for r in results.values()}
@@ -388,7 +391,11 @@ def _utterance(
 
 
 def _warm_up(
-    family: Any, engines: dict[str, Any], results: dict[str, StackResult], wl: Any
+    family: Any,
+    engines: dict[str, Any],
+    results: dict[str, StackResult],
+    wl: Any,
+    per_stack: StackMemory,
 ) -> None:
     """Warm-ups are outside the timer: first-call compilation, graph capture, allocator.
 
@@ -401,8 +408,9 @@ def _warm_up(
         emit("status", message=f"warming up {name} ({wl.warmups}x)")
         t0 = time.perf_counter()
         try:
-            for i in range(wl.warmups):
-                family.synthesize(engine, longest[i % len(longest)].text, wl.seeds[0], wl)
+            with per_stack.holding(name):  # static caches, captured graphs: its own
+                for i in range(wl.warmups):
+                    family.synthesize(engine, longest[i % len(longest)].text, wl.seeds[0], wl)
         except Exception as exc:
             results[name].status = "failed"
             results[name].error = f"warm-up: {_describe(exc)}"
