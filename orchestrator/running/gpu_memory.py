@@ -11,6 +11,11 @@ the same ~58.6 GB, stock included. Per stack, from torch's allocator (live tenso
   began (activations, workspaces), the largest over its utterances;
 - `gpu_needed_gb`: their sum, what this stack needs alone in a fresh process, up to the
   allocator's caching (reserved but free blocks, e.g. a graph's private pool, are not counted).
+
+What a process allocates once, on first use, is charged to the stack that first uses it:
+cuBLAS's workspace (32 MiB on the H200) went to stock, the first stack warmed up, in
+tests/test_gpu_memory.py. A stack alone in a fresh process (`--baseline S --stack S`) has
+none of that bias: exp74-full read 7.10 + 3.18 + 0.42 = 10.69 GB, the process's own peak.
 """
 
 from __future__ import annotations
