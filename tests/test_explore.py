@@ -257,6 +257,22 @@ def test_a_technique_in_a_slot_fidelity_never_ran_is_not_judged_on_random_weight
     assert real.decision == "remeasure" and real.quality_path == decisions.QUALITY
 
 
+def test_faster_candidates_dropped_only_as_unjudged_are_listed_for_a_real_weight_gate() -> None:
+    def row(seq: int, decision: str, path: str | None, lo: float) -> dict[str, Any]:
+        step = {"numbers": {"min_speedup": 1.05}}
+        return {"seq": seq, "decision": decision, "quality_path": path, "vs_parent_lo": lo,
+                "steps": [step]}  # fmt: skip
+
+    rows = [
+        row(1, "drop", decisions.NOT_JUDGED, 1.18),  # fewer steps: faster, not judged
+        row(2, "drop", decisions.NOT_JUDGED, 0.95),  # not judged, and not faster either
+        row(3, "drop", decisions.FIDELITY, 1.30),  # judged, and failed its thresholds
+        row(4, "accept", decisions.EXACT, 1.50),
+        {"seq": 5, "decision": "error", "quality_path": None, "vs_parent_lo": None, "steps": []},
+    ]
+    assert [c["seq"] for c in decisions.unjudged_gains(rows)] == [1]
+
+
 def test_ablation_says_whether_the_left_out_technique_pays() -> None:
     spec = StackSpec(name="less", techniques=[TechniqueRef(name="audio_head")])
     same = judge(

@@ -510,6 +510,8 @@ def _records(store: Any, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def show_exploration(row: dict[str, Any]) -> None:
+    from orchestrate.explore.decisions import unjudged_gains
+
     table = Table(
         title=f"exploration {row['id'][:12]} · {row['status']} · {row['workload_name']} · "
         f"{row['hardware']} · {row['jobs']} jobs, {row['elapsed_s'] / 60:.1f} min"
@@ -531,6 +533,12 @@ def show_exploration(row: dict[str, Any]) -> None:
     champion = row["champion"]["name"]
     headline = _headline(row["champion_headline"], row["champion_lo"], row["champion_hi"])
     console.print(f"champion: {champion} ({headline} vs stock, paired)")
+    for c in unjudged_gains(row["candidates"]):
+        gain = _headline(c["vs_parent"], c["vs_parent_lo"], c["vs_parent_hi"])
+        console.print(
+            f"not judged, faster than {c['parent_name']} ({gain}): #{c['seq']} {c['change']}: "
+            "its quality needs a gate on real weights"
+        )
     if row["stop_reason"]:
         console.print(f"stopped: {row['stop_reason']}")
 

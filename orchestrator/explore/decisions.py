@@ -181,6 +181,20 @@ def _quality(fidelity: FidelityRecord | None, spec: Any) -> StackQuality:
     return StackQuality(values=values)
 
 
+def unjudged_gains(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored candidates dropped only because their quality could not be judged, though
+    faster than their parent beyond the bar (CI lower bound): what a quality gate on real
+    weights could still accept (fewer diffusion steps on random weights, say)."""
+    out = []
+    for c in candidates:
+        if c["decision"] != "drop" or c.get("quality_path") != NOT_JUDGED or not c["steps"]:
+            continue
+        bar = c["steps"][-1].get("numbers", {}).get("min_speedup")
+        if bar is not None and (c.get("vs_parent_lo") or 0.0) > bar:
+            out.append(c)
+    return out
+
+
 def judge_gate(report: dict[str, Any]) -> Step:
     """The decision the gate took (research.gate.run_gate's report), as a step."""
     verdict = report.get("verdict") or {}
