@@ -216,6 +216,42 @@ def test_exact_techniques_match_stock_codes(family, model):
     assert torch.equal(codes(eng)[0], ref)
 
 
+def test_packed_projections_forward_and_codes_equal_stocks(family, model):
+    """The backbone written out with packed q/k/v and gate/up: on the CPU in fp32 the same
+    logits to the last bit as the package's forward, so the same codes from the same seed;
+    the shared model keeps its own weights (the packed ones are the engine's copies)."""
+    from orchestrate.techniques.omnivoice.use_cache_off import no_cache_forward
+
+    q_before = model.ov.llm.layers[0].self_attn.q_proj.weight
+    eng = engine_for(family, model, {"name": "ov_packed_projections"})
+    backbone = eng.forward.backbone
+    layers = model.ov.llm.config.num_hidden_layers
+    assert len(backbone.qkv) == len(backbone.gate_up) == layers
+    assert model.ov.llm.layers[0].self_attn.q_proj.weight is q_before
+    torch.manual_seed(0)
+    b, c, s = 2, model.ov.config.num_audio_codebook, 24
+    ids = torch.randint(0, 1000, (b, c, s))
+    audio = torch.zeros(b, s, dtype=torch.bool)
+    audio[:, 10:] = True
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool)
+    mask[1, :, :, 18:] = False  # the unconditioned row's padding, as build_cfg_batch masks it
+    with torch.inference_mode():
+        assert torch.equal(
+            eng.forward(ids, audio, mask), no_cache_forward(model.ov)(ids, audio, mask)
+        )
+    assert torch.equal(codes(eng)[0], codes(stock_engine(model))[0])
+
+
+def test_packed_projections_fill_the_forward_before_compile():
+    for order in (
+        ["torch_compile", "ov_packed_projections"],
+        ["use_cache_off", "ov_packed_projections"],
+    ):
+        spec = StackSpec(name="s", family="omnivoice", techniques=[{"name": n} for n in order])
+        with pytest.raises(StackError):
+            build_stack(spec)
+
+
 def test_batch_rows_equal_stock_without_position_noise(family, model):
     # Each item draws its own Gumbel noise in turn, so only a noise-free run compares.
     greedy = {"name": "position_temperature", "params": {"value": 0.0}}
@@ -463,6 +499,35 @@ def test_compiled_forward_matches_eager_on_cuda():
     assert float((got - want).abs().max() / want.std()) < 1e-3
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.99
     assert codes(eng)[0].shape == codes(ref)[0].shape  # the loop runs through it end to end
+
+
+@pytest.mark.gpu
+def test_packed_projections_on_cuda_match_and_launch_fewer_kernels():
+    """bf16 on the GPU: the packed forward within rounding of the package's, and 3 matmul
+    launches fewer per layer (counted by the profiler over one eager forward)."""
+    from orchestrate.api.device import count_launches
+    from orchestrate.families.omnivoice.engine import build_cfg_batch
+
+    family = get_family("omnivoice")
+    model = family.build_model(
+        ModelSpec(family="omnivoice", preset="tiny", device="cuda", dtype="bfloat16")
+    )
+    eng = engine_for(
+        family, model, {"name": "ov_packed_projections"}, caps=DeviceCaps.probe("cuda")
+    )
+    ref = engine_for(family, model, {"name": "use_cache_off"}, caps=DeviceCaps.probe("cuda"))
+    task = model.ov._preprocess_all(text=[TEXT])
+    batch = build_cfg_batch(ref, task, ref.config())
+    args = (batch.input_ids, batch.audio_mask, batch.attention_mask)
+    with torch.inference_mode():
+        want, got = ref.forward(*args).float(), eng.forward(*args).float()
+        kernels = {
+            name: count_launches(lambda e=e: e.forward(*args), torch.device("cuda"))["kernels"]
+            for name, e in (("packed", eng), ("unpacked", ref))
+        }
+    assert float((got - want).abs().max() / want.std()) < 2e-2
+    layers = model.ov.llm.config.num_hidden_layers
+    assert kernels["unpacked"] - kernels["packed"] >= 3 * layers, kernels
 
 
 # ------------------------------------------------------------------------ the codec

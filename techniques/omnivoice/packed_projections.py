@@ -1,0 +1,115 @@
+"""Packed projections: the backbone's q, k, v in one matmul, and its gate, up in another.
+
+Each of Qwen3's 28 layers feeds one normed input to q_proj, k_proj and v_proj, and another to
+gate_proj and up_proj: five matmuls of ~100-300 rows on the H200, each a 2-6 us cuBLAS
+launch (benchmarks/h200/issue5-profile-step.json: ~550 kernels per unmasking forward). Their
+weights concatenate into one [q+k+v, hidden] and one [gate+up, hidden] matrix per layer, so a
+layer runs three matmul launches fewer. This forward is the backbone's, written out (gpt-fast
+style) over the model's own modules: the same RMSNorms, rotary embedding, mask builder and
+attention function (sdpa), with use_cache off; only the projections are packed. The packed
+weights are the engine's own copies (the shared model is left as it is), about 0.9 GB at
+real size in bf16. Exact up to summation order, which fidelity measures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
+
+
+class PackedBackbone:
+    """Qwen3Model's forward (no cache) with packed input projections."""
+
+    def __init__(self, llm: Any):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import create_causal_mask
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cfg = llm.config
+        if getattr(cfg, "attention_bias", False) or getattr(llm, "has_sliding_layers", False):
+            raise ValueError("packed projections cover Qwen3 without biases or sliding layers")
+        self.llm = llm
+        self.mask = create_causal_mask
+        self.attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            cfg._attn_implementation, sdpa_attention_forward
+        )
+        self.qkv: list[torch.Tensor] = []
+        self.gate_up: list[torch.Tensor] = []
+        for layer in llm.layers[: cfg.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            self.qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            self.gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        a0 = llm.layers[0].self_attn
+        self.qkv_sizes = [a0.q_proj.out_features, a0.k_proj.out_features, a0.v_proj.out_features]
+        self.intermediate = llm.layers[0].mlp.gate_proj.out_features
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.qkv, *self.gate_up))
+
+    def __call__(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        llm = self.llm
+        positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
+        mask = self.mask(
+            config=llm.config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=positions,
+        )
+        cos_sin = llm.rotary_emb(embeds, positions)
+        x = embeds
+        for i, layer in enumerate(llm.layers[: llm.config.num_hidden_layers]):
+            x = x + self.attention(i, layer, layer.input_layernorm(x), mask, cos_sin)
+            h = F.linear(layer.post_attention_layernorm(x), self.gate_up[i])
+            gate, up = h.split(self.intermediate, dim=-1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return llm.norm(x)
+
+    def attention(
+        self, i: int, layer: Any, xn: torch.Tensor, mask: Any, cos_sin: Any
+    ) -> torch.Tensor:
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        a = layer.self_attn
+        shape = (*xn.shape[:-1], -1, a.head_dim)
+        q, k, v = F.linear(xn, self.qkv[i]).split(self.qkv_sizes, dim=-1)
+        q = a.q_norm(q.view(shape)).transpose(1, 2)
+        k = a.k_norm(k.view(shape)).transpose(1, 2)
+        v = v.view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, sliding_window=None)
+        return a.o_proj(out.reshape(*xn.shape[:-1], -1).contiguous())
+
+
+def packed_forward(ov: Any, backbone: PackedBackbone):
+    C, V = ov.config.num_audio_codebook, ov.config.audio_vocab_size
+
+    def forward(input_ids, audio_mask, attention_mask):
+        hidden = backbone(ov._prepare_embed_inputs(input_ids, audio_mask), attention_mask)
+        b, s, _ = hidden.shape
+        return ov.audio_heads(hidden).view(b, s, C, V).permute(0, 2, 1, 3)
+
+    forward.backbone = backbone  # type: ignore[attr-defined]  # its weights, for memory
+    return forward
+
+
+class PackedProjections(Technique):
+    name = "ov_packed_projections"
+    family = "omnivoice"
+    exact = True
+    slots = ("forward",)
+    summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
+    Params = TechniqueParams
+
+    @classmethod
+    def check_stack(cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]):
+        return wrapped_too_early(earlier)
+
+    def apply(self, engine: Any) -> None:
+        ov = engine.model.ov
+        engine.forward = packed_forward(ov, PackedBackbone(ov.llm))
