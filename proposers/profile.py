@@ -10,8 +10,9 @@ removes (both write-ups captured the step before they touched a kernel).
 
 Each proposal is the champion changed by one technique, as the ladder would make it: added,
 with what it needs (`after`) brought along; or in place of the one technique already filling
-its slot; or in place of those it conflicts with. Only techniques this device can run, never
-tried before, and accepted by stack validation. Exact techniques come first (they need no
+its slot; or in place of those it conflicts with. Only techniques this device can run (none
+whose step was refused here before), never tried or pending in this round, and accepted by
+stack validation. Exact techniques come first (they need no
 quality gate). When nothing fits the costliest entry, the next one; an empty profile
 proposes nothing.
 """
@@ -37,7 +38,9 @@ class ProfileProposer(Proposer):
     )
 
     def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
-        seen = {identity(t.stack) for t in state.tried} | {identity(state.champion)}
+        # tried, and pending: another proposer's proposal of this round is not made twice
+        seen = {identity(s) for s in [*(t.stack for t in state.tried), *state.pending]}
+        seen.add(identity(state.champion))
         captured = _captured(state)
         for key, ms in costs(state.profile):
             if key in captured:
@@ -114,10 +117,11 @@ def candidates(state: ExplorationState, key: str) -> list[str]:
     everything they bring along) and not in the champion; exact ones first (counting what
     they bring), then by name."""
     champion = {t.name for t in state.champion.techniques}
+    refused = state.refused_techniques()  # could not run here on an earlier champion
     found = []
     for name, meta in state.catalogue.items():
         claims = (*meta.get("slots", ()), *meta.get("wraps", ()), *meta.get("reduces", ()))
-        if key not in claims or name in champion:
+        if key not in claims or name in champion or name in refused:
             continue
         brings = graph.needs_of(state.champion, name, state.catalogue)
         if not all(graph.runs_here(state.catalogue[t], state.device_caps) for t in [*brings, name]):

@@ -4,6 +4,8 @@ the next jobs on the costliest slot."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -217,6 +219,17 @@ def test_a_filled_slot_is_swapped_not_doubled():
     [p] = ProfileProposer().propose(state(["audio_head"], {"head": 3.0}), 5)
     assert p.change == "-audio_head+codebook_head"
     assert [t.name for t in p.stack.techniques] == ["codebook_head"]
+
+
+def test_pending_and_refused_here_are_not_proposed():
+    """Another proposer's proposal of this round is not made twice, and a technique whose
+    step could not run on this device is not proposed again."""
+    [audio, codebook] = ProfileProposer().propose(state([], {"head": 9.0}), 5)
+    pending = dataclasses.replace(state([], {"head": 9.0}), pending=[audio.stack])
+    assert [p.change for p in ProfileProposer().propose(pending, 5)] == ["+codebook_head"]
+    refused = Tried(codebook.stack, "+codebook_head", "ladder", "error", "refused: not here")
+    gone = state([], {"head": 9.0}, tried=[refused])
+    assert [p.change for p in ProfileProposer().propose(gone, 5)] == ["+audio_head"]
 
 
 def test_empty_profile_proposes_nothing():
