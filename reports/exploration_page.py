@@ -153,7 +153,8 @@ def _frontier_figure(ax: Any, view: ExplorationView) -> None:
             if n.lo is not None and n.hi is not None:
                 ax.vlines(i, n.lo, n.hi, color=colour, lw=1, alpha=0.6)
             ax.scatter(i, n.headline, color=colour, s=22, zorder=3)
-            ax.annotate(_short(i, n.change), (i, n.headline), xytext=(4, 3),
+            # slanted: candidates of one round sit at about the same height side by side
+            ax.annotate(_short(i, n.change), (i, n.headline), xytext=(3, 3), rotation=35,
                         textcoords="offset points", fontsize=7, color="#424242")  # fmt: skip
         if n.decision == "accept" and n.headline is not None:
             best = n.headline
@@ -169,7 +170,8 @@ def _frontier_figure(ax: Any, view: ExplorationView) -> None:
         key = {"accepted": "accept", "not accepted": "other"}.get(label)
         if key in seen or (key is None and seen & {"retain", "invalid", "error"}):
             handles.append(Line2D([], [], ls="", marker="o", color=colour, label=label))
-    ax.legend(handles=handles, loc="upper left", fontsize=7)
+    # outside the axes: inside, it hid the labels of early candidates
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.axhline(1.0, color="#9e9e9e", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(MaxNLocator(nbins=6))  # a few plain ticks: 1.2x, not 10^0
@@ -182,10 +184,11 @@ def _frontier_figure(ax: Any, view: ExplorationView) -> None:
 
 
 def _short(i: int, change: str) -> str:
-    """`#i` and the change without what came along ("+graph_loop (with static_kv_cache,
-    device_sampler)" -> "#3 +graph_loop"): full labels overran each other and the axes;
-    the page's tree beside the figure has each change whole."""
-    return f"#{i} " + re.sub(r" \([^)]*\)", "", change)
+    """`#i` and the change without what came along or its parameters ("+graph_loop (with
+    static_kv_cache, device_sampler)" -> "#3 +graph_loop", "+num_step(value=23),
+    +t_shift(value=0.71)" -> "#11 +num_step, +t_shift"): full labels overran each other and
+    the axes; the page's tree beside the figure has each change whole."""
+    return f"#{i} " + re.sub(r" ?\([^)]*\)", "", change)
 
 
 def _ladder_figure(ax: Any, view: ExplorationView) -> None:

@@ -85,6 +85,15 @@ def test_the_page_figures_can_be_saved_as_png_files(tmp_path: Path) -> None:
     assert all(png in page for png in (view.frontier_png, view.ladder_png))
 
 
+def test_frontier_labels_keep_the_step_and_drop_what_came_along() -> None:
+    from orchestrate.reports.exploration_page import _short
+
+    assert _short(3, "+graph_loop (with static_kv_cache, device_sampler)") == "#3 +graph_loop"
+    params = "+num_step(value=23), +t_shift(value=0.7127)"
+    assert _short(11, params) == "#11 +num_step, +t_shift"
+    assert _short(4, "-graph_loop+while_graph") == "#4 -graph_loop+while_graph"
+
+
 def test_page_without_audio_says_so(tmp_path: Path) -> None:
     page = render(_view(tmp_path, []), tmp_path / "page.html").read_text()
     assert "<audio" not in page
