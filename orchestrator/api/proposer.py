@@ -73,6 +73,13 @@ def technique_key(stack: StackSpec) -> str:
 REFUSED_HERE = ("refused:", "partial:")
 
 
+def refused_here(decision: str | None, reason: str | None) -> bool:
+    """A decided candidate that could not run on this device: refused at build (a package, a
+    mode for CUDA only, a model the technique cannot patch) or run with a technique skipped.
+    It measured nothing: it spends no patience, and proposers do not offer it again."""
+    return decision == "error" and (reason or "").startswith(REFUSED_HERE)
+
+
 @dataclass(frozen=True)
 class Proposal:
     """One stack to try: the full stack, what it changes against its parent, and why."""
@@ -99,9 +106,7 @@ class Tried:
 
     @property
     def refused_here(self) -> bool:
-        """It could not run on this device: refused at build (a package, a mode for CUDA
-        only, a model the technique cannot patch) or run with a technique skipped."""
-        return self.decision == "error" and self.reason.startswith(REFUSED_HERE)
+        return refused_here(self.decision, self.reason)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload
-from orchestrate.api.proposer import REFUSED_HERE, Decision, Proposal, Proposer, ProposerError
+from orchestrate.api.proposer import Decision, Proposal, Proposer, ProposerError, refused_here
 from orchestrate.api.protocol import Protocol, ProtocolError, phase_workload
 from orchestrate.api.records import JobSpec, utcnow
 from orchestrate.api.registry import StackError
@@ -889,9 +889,7 @@ def _since_gain(candidates: list[dict[str, Any]]) -> int:
 
 
 def _refused_here(cand: dict[str, Any]) -> bool:
-    """A candidate that could not run on this device measured nothing, so it spends no
-    patience (the budget still bounds it, and the ladder does not propose it again)."""
-    return cand["decision"] == "error" and (cand["reason"] or "").startswith(REFUSED_HERE)
+    return refused_here(cand["decision"], cand["reason"])
 
 
 def _headline_text(cand: dict[str, Any]) -> str:
