@@ -54,13 +54,9 @@ class PackedBackbone:
     def __call__(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         llm = self.llm
         positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
-        mask = self.mask(
-            config=llm.config,
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=positions,
-        )
+        # The cache goes in by position: transformers renamed it (past_key_values in 5.17,
+        # the GPU host's version; cache in 5.24) and keeps it fourth.
+        mask = self.mask(llm.config, embeds, attention_mask, None, position_ids=positions)
         cos_sin = llm.rotary_emb(embeds, positions)
         x = embeds
         for i, layer in enumerate(llm.layers[: llm.config.num_hidden_layers]):
