@@ -374,3 +374,27 @@ def test_launches_per_step(case128):
         ]
     )
     assert loop["launches_per_step"] <= 1.5 and loop["kernels_per_step"] > 10, loop
+
+
+def test_into_gemv_matches_exp74_full_with_two_kernels_fewer_a_layer(case128):
+    """fused_rope_norm's into_gemv (exp74-fused) against exp74-full: teacher-forced logits within
+    rounding order of exp74-full's, the same tokens from graph_loop, two kernels fewer a layer."""
+    from orchestrate.api.config import Prompt, Workload
+
+    model, prompt, ref = case128
+    fused_body = [*EXP74_BODY[:4], ("fused_rope_norm", {"into_gemv": True}), EXP74_BODY[4]]
+    tokens = ref.tokens[:12]
+    la = fidelity.teacher_forced(build(model, EXP74_FULL_BODY), prompt, tokens)
+    lb = fidelity.teacher_forced(build(model, fused_body), prompt, tokens)
+    assert (la.argmax(-1) == lb.argmax(-1)).float().mean() >= 0.9
+    assert float((la.float() - lb.float()).norm() / la.float().norm()) < 1e-2
+    loop_a = build(model, [*EXP74_FULL_BODY, ("pdl", {}), ("graph_loop", {})])
+    loop_b = build(model, [*fused_body, ("pdl", {}), ("graph_loop", {})])
+    a, b = _generate(loop_a, prompt, 6, seed=42), _generate(loop_b, prompt, 6, seed=42)
+    same = sum(x == y for x, y in zip(a.tokens, b.tokens, strict=True)) / len(a.tokens)
+    assert same >= 0.9, (a.tokens, b.tokens)  # equal unless a bf16 tie flips a draw
+    wl = Workload(name="w", prompts=[Prompt(id="a", text="A launch count.")], seeds=[3])
+    ka = FAMILY.launches_per_step(loop_a, wl.prompts[0].text, 3, wl)["kernels_per_step"]
+    kb = FAMILY.launches_per_step(loop_b, wl.prompts[0].text, 3, wl)["kernels_per_step"]
+    layers = model.config.num_hidden_layers
+    assert abs((ka - kb) - 2 * layers) < 0.5, (ka, kb, layers)

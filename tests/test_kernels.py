@@ -62,8 +62,9 @@ with _interpreter(not CUDA and IN_PROCESS):
     require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
-        ep, gemv, attn, samp, rn, g6, sw = (_load(n) for n in ("epilogue", "int8_gemv",
-            "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu"))  # fmt: skip
+        ep, gemv, attn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue", "int8_gemv",
+            "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu",
+            "fused_gemv"))  # fmt: skip
     else:  # only the subprocess test below runs; names still needed at collection
         ep = importlib.import_module(_KERNELS + "epilogue")
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
@@ -761,3 +762,170 @@ def test_gpu_length_offset_and_swiglu_in_graph() -> None:
         # eager rounds twice to nearest; the kernel too: all but ulp-level exp differences
         same = (packed[-1] == ref).float().mean().item()
         assert same > 0.99, same
+
+
+# --------------------------------------------------------------------------- fused GEMVs
+
+
+def _same(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise under the interpreter; compiled, a row's fp32 sum may be reduced in another
+    order (the fused kernels' tiles differ): then all but rounding-level differences."""
+    if not CUDA:
+        assert torch.equal(out, ref)
+        return
+    same = (out == ref).float().mean().item()
+    assert rel_err(out, ref) < (1e-6 if out.dtype == torch.float32 else 1e-2), same
+    assert same > (0.5 if out.dtype == torch.float32 else 0.9), same
+
+
+def _qkvgu_case(dtype: torch.dtype, k: int = 80):
+    """Packed [q | k | v | gate | up] weights of 4 query and 2 KV heads of 16, and caches."""
+    d, hq, hkv, f = 16, 4, 2, 48
+    qw, sc = gemv.quantize_int8(randn(hq * d + 2 * hkv * d + 2 * f, k))
+    cache = torch.zeros(1, hkv, 32, d, dtype=dtype, device=DEVICE)
+    cos, sin = rn.rope_cos_sin(32, d, dtype=dtype, device=DEVICE)
+    return qw, sc, cache, cos, sin, hq * d, hkv * d
+
+
+@pytest.mark.parametrize("preload", [True, False])
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_rope_cache_equals_gemv_then_rope(
+    dtype: torch.dtype, rotary: bool, preload: bool
+) -> None:
+    """The input GEMV with the rotary epilogue writes what int8_linear + rope_and_cache_write
+    write: the rotated q in y, k and v in the cache row, the rest untouched (K=80 over chunks
+    of 32: the masked tail too)."""
+    qw, sc, cache, cos, sin, q_size, kv_size = _qkvgu_case(dtype)
+    x, pos, cfg = randn(1, 80, dtype=dtype), dev_int(5), gemv.GemvConfig(8, 32, 4, magic=True)
+    y = gemv.int8_linear(x, qw, sc, config=cfg)[0]
+    kc, vc = cache.clone(), cache.clone()
+    q_ref = rn.rope_and_cache_write(
+        y[:q_size], y[q_size : q_size + kv_size], y[q_size + kv_size : q_size + 2 * kv_size],
+        kc, vc, pos, cos, sin, rotary=rotary,
+    )  # fmt: skip
+    kc2, vc2 = cache.clone(), cache.clone()
+    out = fg.int8_linear_rope_cache(x[0], qw, sc, pos, cos, sin, kc2, vc2, q_size=q_size,
+                                    kv_size=kv_size, rotary=rotary, config=cfg,
+                                    preload=preload)  # fmt: skip
+    _same(out[:q_size], q_ref.reshape(-1))
+    _same(out[q_size + 2 * kv_size :], y[q_size + 2 * kv_size :])
+    _same(kc2[0, :, 5], kc[0, :, 5])
+    _same(vc2[0, :, 5], vc[0, :, 5])
+    assert kc2[0, :, 5].abs().sum() > 0 and kc2[0, :, 4].abs().sum() == 0  # row 5 alone
+    # a position outside the cache writes no row there
+    kc3, vc3 = cache.clone(), cache.clone()
+    fg.int8_linear_rope_cache(x[0], qw, sc, dev_int(32), cos, sin, kc3, vc3, q_size=q_size,
+                              kv_size=kv_size, config=cfg)  # fmt: skip
+    assert kc3.abs().sum() == 0 and vc3.abs().sum() == 0
+
+
+@pytest.mark.parametrize("preload", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_swiglu_equals_swiglu_cat_then_gemv(dtype: torch.dtype, preload: bool) -> None:
+    """The output GEMV that builds cat([attn, silu(gate) * up]) in its loads gives what the
+    GEMV of swiglu_cat's row gives (A=48 is not a multiple of the 32-wide chunks: a chunk
+    straddles attn and the activation, and K=148 ends in a partial chunk)."""
+    qw, sc = gemv.quantize_int8(randn(32, 48 + 100))
+    attn = randn(1, 48, dtype=dtype)
+    gu = randn(1, 200, dtype=dtype, scale=3.0)
+    gate, up = gu[:, :100], gu[:, 100:]  # column views, as the decoder passes them
+    cfg = gemv.GemvConfig(8, 32, 4, magic=True)
+    ref = gemv.int8_linear(sw.swiglu_cat(attn, gate, up), qw, sc, config=cfg)[0]
+    out = fg.int8_linear_swiglu(attn[0], gate[0], up[0], qw, sc, config=cfg, preload=preload)
+    _same(out, ref)
+
+
+def test_fused_gemvs_reject_unsupported() -> None:
+    qw, sc, cache, cos, sin, q_size, kv_size = _qkvgu_case(torch.float32)
+    x, pos = randn(80), dev_int(3)
+    with pytest.raises(ValueError, match="block_n must be even"):
+        fg.int8_linear_rope_cache(x, qw, sc, pos, cos, sin, cache, cache.clone(), q_size=q_size,
+                                  kv_size=kv_size, config=gemv.GemvConfig(1, 32))  # fmt: skip
+    with pytest.raises(ValueError, match="whole heads"):
+        fg.int8_linear_rope_cache(x, qw, sc, pos, cos, sin, cache, cache.clone(), q_size=q_size,
+                                  kv_size=kv_size - 8)  # fmt: skip
+    with pytest.raises(ValueError, match="one row"):
+        fg.int8_linear_rope_cache(randn(2, 80), qw, sc, pos, cos, sin, cache, cache.clone(),
+                                  q_size=q_size, kv_size=kv_size)  # fmt: skip
+    with pytest.raises(ValueError, match="pos"):
+        fg.int8_linear_rope_cache(x, qw, sc, 3, cos, sin, cache, cache.clone(), q_size=q_size,
+                                  kv_size=kv_size)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of the config's block_n"):
+        q30 = gemv.quantize_int8(randn(30, 164))
+        cfg = gemv.GemvConfig(8, 64)
+        fg.int8_linear_swiglu(randn(64), randn(100), randn(100), *q30, config=cfg)
+    with pytest.raises(ValueError, match=r"q must be \[N, 164\]"):
+        fg.int8_linear_swiglu(randn(64), randn(100), randn(100), qw, sc)
+
+
+def test_fused_rope_norm_into_gemv_gives_int8s_logits(fused_case, monkeypatch) -> None:
+    """int8 + fused glue folded into the GEMVs gives the logits of int8 + fused glue, and the
+    two launches it folds in are never called."""
+    model, prompt, tokens, _ = fused_case
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: gemv.GemvConfig(64, 128))
+    names = ["static_kv_cache", "int8_projections", "fused_rope_norm"]
+    plain = _teacher_forced(model, names, prompt, tokens[:8])
+
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("into_gemv launched a kernel it folds in")
+
+    monkeypatch.setattr(rn, "rope_and_cache_write", never)
+    monkeypatch.setattr(sw, "swiglu_cat", never)
+    for preload in (True, False):
+        params = {"into_gemv": True, "preload": preload}
+        folded = _teacher_forced(model, names, prompt, tokens[:8], fused_rope_norm=params)
+        assert torch.equal(folded, plain) if not CUDA else rel_err(folded, plain) < 1e-5
+
+
+@pytest.mark.parametrize("projections", ["int6_projections", "packed_projections"])
+def test_into_gemv_refused_without_fused_gemvs(fused_case, projections) -> None:
+    from orchestrate.api.technique import UnsupportedConfig
+
+    model, prompt, tokens, _ = fused_case
+    with pytest.raises(UnsupportedConfig, match="into_gemv needs projections with fused GEMVs"):
+        _teacher_forced(model, ["static_kv_cache", projections, "fused_rope_norm"], prompt,
+                        tokens[:2], fused_rope_norm={"into_gemv": True})  # fmt: skip
+
+
+@gpu
+def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
+    """Rumik OSS 1's decode shapes (25088 x 2048 in, 2048 x 13056 out; 16 query and 4 KV heads
+    of 128) in one captured graph with PDL: the fused GEMVs against int8_linear followed by
+    rope_and_cache_write, and by swiglu_cat, at positions read from device memory."""
+    torch.manual_seed(2)
+    bf = torch.bfloat16
+    w_in = gemv.quantize_int8(randn(25088, 2048, scale=0.02).to(bf))
+    w_out = gemv.quantize_int8(randn(2048, 13056, scale=0.02).to(bf))
+    x, attn_row = randn(2048, dtype=bf), randn(2048, dtype=bf)
+    caches = [torch.zeros(1, 4, 8192, 128, dtype=bf, device=DEVICE) for _ in range(4)]
+    cos, sin = rn.rope_cos_sin(8192, 128, device=DEVICE)
+    pos = dev_int(0)
+    got: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        y = gemv.int8_linear(x, *w_in, launch_pdl=True)
+        got["q"] = rn.rope_and_cache_write(y[:2048], y[2048:2560], y[2560:3072], caches[0],
+                                           caches[1], pos, cos, sin, launch_pdl=True)  # fmt: skip
+        row = sw.swiglu_cat(attn_row, y[3072:14080], y[14080:], launch_pdl=True)
+        got["o"] = gemv.int8_linear(row, *w_out, launch_pdl=True)
+        y2 = fg.int8_linear_rope_cache(x, *w_in, pos, cos, sin, caches[2], caches[3],
+                                       q_size=2048, kv_size=512, launch_pdl=True)  # fmt: skip
+        got["q2"] = y2[:2048]
+        got["o2"] = fg.int8_linear_swiglu(attn_row, y2[3072:14080], y2[14080:], *w_out,
+                                          launch_pdl=True)  # fmt: skip
+
+    step()  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for p in (0, 4097, 8191):
+        pos.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(got["q2"], got["q"].reshape(-1))
+        _same(caches[2][0, :, p], caches[0][0, :, p])
+        _same(caches[3][0, :, p], caches[1][0, :, p])
+        _same(got["o2"], got["o"])
+    assert torch.equal(caches[2][0, :, 1], torch.zeros_like(caches[2][0, :, 1]))  # untouched row

@@ -16,6 +16,11 @@ Triton kernels of techniques/rumik/kernels/rope_norm.py:
 - with `swiglu` (the default), one `swiglu_cat` per layer where the projections take the
   packed [attn, act] row (`output_packed`): silu(gate) * up written beside attn, instead of
   three launches (silu, multiply, concatenate).
+- with `into_gemv`, neither of those two launches: the rotary + cache write is the input
+  GEMV's epilogue and the activation is the output GEMV's x load (kernels/fused_gemv.py), for
+  projections that offer such GEMVs (`qkvgu_rope`, `output_swiglu`: int8_projections). Five
+  launches a layer instead of seven; the same roundings (a GEMV row's fp32 sum may be reduced
+  in another order).
 
 The subclass goes in the engine's `decoder_class` slot, which static_kv_cache's factory
 builds; the PDL flag of its launches is the engine's `launch` option, read at each step.
@@ -27,6 +32,7 @@ the same fp32 maths, checked on teacher-forced logits against stock.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +70,28 @@ class FusedRopeNormParams(TechniqueParams):
         description="silu(gate) * up and the packed [attn, act] row in one kernel "
         "(where the projections take that row).",
     )
+    into_gemv: bool = Field(
+        False,
+        description="rotary + cache write in the input GEMV's epilogue, SwiGLU in the output "
+        "GEMV's load: two launches a layer fewer (int8_projections only).",
+    )
+    preload: bool = Field(
+        True,
+        description="with into_gemv: each GEMV program loads its first weight chunk before "
+        "its PDL wait.",
+    )
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """What the input GEMV's rotary epilogue needs besides its weights (into_gemv)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    position: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary: bool
 
 
 class FusedRopeNormDecoder(StaticDecoder):
@@ -77,6 +105,8 @@ class FusedRopeNormDecoder(StaticDecoder):
         compile_mode: str | None,
         *,
         swiglu: bool = True,
+        into_gemv: bool = False,
+        preload: bool = True,
     ):
         if compile_mode:
             raise UnsupportedConfig(
@@ -92,6 +122,12 @@ class FusedRopeNormDecoder(StaticDecoder):
         self.next_norm = [*self.norms[1:], self.final_norm]
         self.output = getattr(self.proj, "output", None)
         self.output_packed = getattr(self.proj, "output_packed", None) if swiglu else None
+        self.into_gemv, self.preload = into_gemv, preload
+        if into_gemv and not all(hasattr(self.proj, m) for m in ("qkvgu_rope", "output_swiglu")):
+            raise UnsupportedConfig(
+                f"fused_rope_norm: into_gemv needs projections with fused GEMVs "
+                f"(int8_projections); this stack's are {type(self.proj).__name__}"
+            )
         self.engine = engine  # its `launch` option is read at each decode step
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -106,6 +142,9 @@ class FusedRopeNormDecoder(StaticDecoder):
         x = F.embedding(ids, self.embed)
         xn = rn.layer_norm(x, self.norms[0], eps, launch_pdl=pdl)
         for i in range(len(self.norms)):
+            if self.into_gemv:
+                xn, x = self._layer_into_gemv(i, xn, x, positions)
+                continue
             q, k, v, gate, up = self.proj.qkvgu(i, xn)
             q = rn.rope_and_cache_write(
                 q, k, v, self.k[i], self.v[i], positions, self.cos_half, self.sin_half,
@@ -126,11 +165,30 @@ class FusedRopeNormDecoder(StaticDecoder):
                 xn = rn.layer_norm(x, self.next_norm[i], eps, launch_pdl=pdl)
         return xn  # the last iteration applied the final norm
 
+    def _layer_into_gemv(
+        self, i: int, xn: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer in five launches: GEMV + rotary + cache write, attention (split and
+        merge), GEMV of the activation, add + next norm."""
+        from orchestrate.techniques.rumik.kernels import rope_norm as rn
+
+        rope = RopeArgs(self.k[i], self.v[i], positions, self.cos_half, self.sin_half,
+                        self.sliding[i])  # fmt: skip
+        q, gate, up = self.proj.qkvgu_rope(i, xn, rope, preload=self.preload)
+        window = self.window if self.sliding[i] else None
+        attn = self.attend(q.view(1, self.hq, 1, self.d), self.k[i], self.v[i], positions, window)
+        attn = attn.transpose(1, 2).reshape(1, 1, self.hq * self.d)
+        delta = self.proj.output_swiglu(i, attn, gate, up, preload=self.preload)
+        return rn.add_layer_norm(delta, x, self.next_norm[i], self.eps,
+                                 launch_pdl=self.engine.launch.pdl)  # fmt: skip
+
 
 class FusedRopeNorm(Technique):
     name = "fused_rope_norm"
     family = "rumik"
-    version = 2  # 2: the SwiGLU + pack kernel (swiglu, default on); the records of ff0fdf1 say @1
+    # 2: the SwiGLU + pack kernel (swiglu, default on); the records of ff0fdf1 say @1.
+    # 3: into_gemv and preload (default off: version 2's launches).
+    version = 3
     exact = True
     slots = ("decoder_class",)  # static_kv_cache's factory builds this subclass
     wraps = ("decoder",)  # to check that it did
@@ -159,7 +217,9 @@ class FusedRopeNorm(Technique):
             engine.model.config.head_dim,
         )
         p: FusedRopeNormParams = self.params  # type: ignore[assignment]
-        engine.decoder_class = functools.partial(FusedRopeNormDecoder, swiglu=p.swiglu)
+        engine.decoder_class = functools.partial(
+            FusedRopeNormDecoder, swiglu=p.swiglu, into_gemv=p.into_gemv, preload=p.preload
+        )
         inner = engine.decoder_factory
 
         def factory(eng: Engine, need: int):

@@ -111,6 +111,36 @@ class Int8Packed(QuantizedPacked):
 
         return dequantize_int8(q, scale).to(dtype)
 
+    # The GEMVs with the decode step's glue folded in (kernels/fused_gemv.py), for one decode
+    # row; fused_rope_norm's `into_gemv` calls them.
+
+    def qkvgu_rope(
+        self, i: int, xn: torch.Tensor, rope: Any, *, preload: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rotated q, gate, up) of layer i; k and v go straight into the layer's cache row.
+        `rope`: the caches, position and tables (fused_rope_norm.RopeArgs)."""
+        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_rope_cache
+
+        q_size, kv_size = self.sizes[0], self.sizes[1]
+        y = int8_linear_rope_cache(
+            xn.reshape(-1), *self.w_in[i], rope.position, rope.cos, rope.sin, rope.k_cache,
+            rope.v_cache, q_size=q_size, kv_size=kv_size, rotary=rope.rotary, preload=preload,
+            launch_pdl=self.launch_pdl,
+        )  # fmt: skip
+        q, _, _, gate, up = y.split(self.sizes)
+        return q, gate, up
+
+    def output_swiglu(
+        self, i: int, attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+        *, preload: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
+        """output_packed(i, cat([attn, silu(gate) * up])) without storing that row."""
+        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_swiglu
+
+        y = int8_linear_swiglu(attn.reshape(-1), gate, up, *self.w_out[i], preload=preload,
+                               launch_pdl=self.launch_pdl)  # fmt: skip
+        return y.view(*attn.shape[:-1], -1)
+
 
 class Int8Projections(Technique):
     name = "int8_projections"

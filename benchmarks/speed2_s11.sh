@@ -1,0 +1,26 @@
+# Issue 14, session 11 (from the repo root on the GPU host, after
+#   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
+#   bash benchmarks/speed2_s11.sh ab        # GPU tests of the kernels and techniques; then
+#                                           # exp74-full, exp74-fused and exp74-fused without
+#                                           # the weight preload in one worker (gpu-headline)
+#   bash benchmarks/speed2_s11.sh profile   # kernels and GPU time per token of exp74-full
+#                                           # and exp74-fused; then benchmarks/speed2_ov.sh
+# exp74-full -> exp74-fused: fused_rope_norm's into_gemv (the rotary + cache write in the
+# input GEMV's epilogue, the SwiGLU in the output GEMV's load: 2 launches a layer fewer) and
+# the GEMVs' first weight chunk loaded before the PDL wait.
+set -o pipefail
+case "$1" in
+ab)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
+    timeout 360 bash benchmarks/gpu_run.sh issue14-s11-fused --baseline exp74-full \
+        --stack exp74-fused --stack benchmarks/stacks/exp74-fused-nopreload.yaml \
+        --model rumik-oss-1 --device cuda --workload gpu-headline --fidelity-steps 64 \
+        2>&1 | grep -v "^│" | tail -24
+    rm -rf "$OUT/issue14-s11-fused" ;;
+profile)
+    timeout 200 python3 benchmarks/profile_step.py --frames 40 --out "$OUT/issue14-s11-profile.json" \
+        --stacks exp74-full exp74-fused 2>&1 | grep -v "^  "
+    bash benchmarks/speed2_ov.sh ;;
+*) echo "usage: speed2_s11.sh ab|profile" >&2; exit 2 ;;
+esac
