@@ -3,8 +3,9 @@
 #   bash benchmarks/speed2_s11.sh ab        # GPU tests of the kernels and techniques; then
 #                                           # exp74-full, exp74-fused and exp74-fused without
 #                                           # the weight preload in one worker (gpu-headline)
-#   bash benchmarks/speed2_s11.sh profile   # kernels and GPU time per token of exp74-full
-#                                           # and exp74-fused; then benchmarks/speed2_ov.sh
+#   bash benchmarks/speed2_s11.sh profile   # the corrected GPU test; kernels and GPU time per
+#                                           # token of exp74-full and exp74-fused, with and
+#                                           # without pdl; then benchmarks/speed2_ov.sh
 # exp74-full -> exp74-fused: fused_rope_norm's into_gemv (the rotary + cache write in the
 # input GEMV's epilogue, the SwiGLU in the output GEMV's load: 2 launches a layer fewer) and
 # the GEMVs' first weight chunk loaded before the PDL wait.
@@ -19,8 +20,11 @@ ab)
         2>&1 | grep -v "^│" | tail -24
     rm -rf "$OUT/issue14-s11-fused" ;;
 profile)
-    timeout 200 python3 benchmarks/profile_step.py --frames 40 --out "$OUT/issue14-s11-profile.json" \
-        --stacks exp74-full exp74-fused 2>&1 | grep -v "^  "
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k into_gemv \
+        2>&1 | grep -E "passed|failed|FAILED|Error" | tail -4
+    timeout 260 python3 benchmarks/profile_step.py --frames 40 --out "$OUT/issue14-s11-profile.json" \
+        --stacks exp74-full exp74-fused benchmarks/stacks/exp74-full-nopdl.yaml \
+        benchmarks/stacks/exp74-fused-nopdl.yaml 2>&1 | grep -v "^  "
     bash benchmarks/speed2_ov.sh ;;
 *) echo "usage: speed2_s11.sh ab|profile" >&2; exit 2 ;;
 esac

@@ -387,7 +387,10 @@ def test_into_gemv_matches_exp74_full_with_two_kernels_fewer_a_layer(case128):
     la = fidelity.teacher_forced(build(model, EXP74_FULL_BODY), prompt, tokens)
     lb = fidelity.teacher_forced(build(model, fused_body), prompt, tokens)
     assert (la.argmax(-1) == lb.argmax(-1)).float().mean() >= 0.9
-    assert float((la.float() - lb.float()).norm() / la.float().norm()) < 1e-2
+    cols = torch.isfinite(la)  # codebook_head leaves the other codebooks' columns at -inf
+    assert torch.equal(cols, torch.isfinite(lb))
+    a_, b_ = la[cols].float(), lb[cols].float()
+    assert float((a_ - b_).norm() / a_.norm()) < 1e-2
     loop_a = build(model, [*EXP74_FULL_BODY, ("pdl", {}), ("graph_loop", {})])
     loop_b = build(model, [*fused_body, ("pdl", {}), ("graph_loop", {})])
     a, b = _generate(loop_a, prompt, 6, seed=42), _generate(loop_b, prompt, 6, seed=42)
