@@ -9,6 +9,8 @@
 # exp74-full -> exp74-fused: fused_rope_norm's into_gemv (the rotary + cache write in the
 # input GEMV's epilogue, the SwiGLU in the output GEMV's load: 2 launches a layer fewer) and
 # the GEMVs' first weight chunk loaded before the PDL wait.
+#   bash benchmarks/speed2_s11.sh ab2       # after the profile: the SwiGLU moved into the
+#                                           # input GEMV's epilogue; GPU tests, A/B, profile
 set -o pipefail
 case "$1" in
 ab)
@@ -26,5 +28,15 @@ profile)
         --stacks exp74-full exp74-fused benchmarks/stacks/exp74-full-nopdl.yaml \
         benchmarks/stacks/exp74-fused-nopdl.yaml 2>&1 | grep -v "^  "
     bash benchmarks/speed2_ov.sh ;;
-*) echo "usage: speed2_s11.sh ab|profile" >&2; exit 2 ;;
+ab2)  # the second version: SwiGLU in the input GEMV's epilogue, the output GEMV reading two rows
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        tests/test_gpu.py -k "fused or into_gemv" 2>&1 | tee "$OUT/gpu-tests.log" \
+        | grep -E "passed|failed|FAILED|Error" | tail -8
+    timeout 280 bash benchmarks/gpu_run.sh issue14-s11-fused2 --baseline exp74-full \
+        --stack exp74-fused --model rumik-oss-1 --device cuda --workload gpu-headline \
+        --fidelity-steps 64 2>&1 | grep -v "^│" | tail -16
+    rm -rf "$OUT/issue14-s11-fused2"
+    timeout 150 python3 benchmarks/profile_step.py --frames 40 \
+        --out "$OUT/issue14-s11-profile2.json" --stacks exp74-full exp74-fused 2>&1 | grep -v "^  " ;;
+*) echo "usage: speed2_s11.sh ab|profile|ab2" >&2; exit 2 ;;
 esac

@@ -790,73 +790,81 @@ def _qkvgu_case(dtype: torch.dtype, k: int = 80):
 @pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_rope_cache_equals_gemv_then_rope(
+def test_int8_linear_rope_act_equals_gemv_rope_swiglu(
     dtype: torch.dtype, rotary: bool, preload: bool
 ) -> None:
-    """The input GEMV with the rotary epilogue writes what int8_linear + rope_and_cache_write
-    write: the rotated q in y, k and v in the cache row, the rest untouched (K=80 over chunks
-    of 32: the masked tail too)."""
+    """The input GEMV with the rotary + SwiGLU epilogue (its gate and up rows interleaved)
+    gives what int8_linear, rope_and_cache_write and swiglu_cat give on the plain order: the
+    rotated q, k and v in the cache row, silu(gate) * up (K=80 over chunks of 32: the masked
+    tail too)."""
     qw, sc, cache, cos, sin, q_size, kv_size = _qkvgu_case(dtype)
     x, pos, cfg = randn(1, 80, dtype=dtype), dev_int(5), gemv.GemvConfig(8, 32, 4, magic=True)
     y = gemv.int8_linear(x, qw, sc, config=cfg)[0]
     kc, vc = cache.clone(), cache.clone()
+    qkv = q_size + 2 * kv_size
     q_ref = rn.rope_and_cache_write(
-        y[:q_size], y[q_size : q_size + kv_size], y[q_size + kv_size : q_size + 2 * kv_size],
-        kc, vc, pos, cos, sin, rotary=rotary,
+        y[:q_size], y[q_size : q_size + kv_size], y[q_size + kv_size : qkv], kc, vc, pos, cos,
+        sin, rotary=rotary,
     )  # fmt: skip
+    f = (y.shape[0] - qkv) // 2
+    act_ref = sw.swiglu_cat(y[:0], y[qkv : qkv + f], y[qkv + f :])
+    qi, si = fg.interleave_gate_up(qw, qkv), fg.interleave_gate_up(sc, qkv)
+    assert torch.equal(qi[qkv : qkv + 2], torch.stack([qw[qkv], qw[qkv + f]]))  # (g_0, u_0)
     kc2, vc2 = cache.clone(), cache.clone()
-    out = fg.int8_linear_rope_cache(x[0], qw, sc, pos, cos, sin, kc2, vc2, q_size=q_size,
-                                    kv_size=kv_size, rotary=rotary, config=cfg,
-                                    preload=preload)  # fmt: skip
-    _same(out[:q_size], q_ref.reshape(-1))
-    _same(out[q_size + 2 * kv_size :], y[q_size + 2 * kv_size :])
+    q_out, act = fg.int8_linear_rope_act(x[0], qi, si, pos, cos, sin, kc2, vc2, q_size=q_size,
+                                         kv_size=kv_size, rotary=rotary, config=cfg,
+                                         preload=preload)  # fmt: skip
+    _same(q_out, q_ref.reshape(-1))
+    _same(act, act_ref)
     _same(kc2[0, :, 5], kc[0, :, 5])
     _same(vc2[0, :, 5], vc[0, :, 5])
     assert kc2[0, :, 5].abs().sum() > 0 and kc2[0, :, 4].abs().sum() == 0  # row 5 alone
     # a position outside the cache writes no row there
     kc3, vc3 = cache.clone(), cache.clone()
-    fg.int8_linear_rope_cache(x[0], qw, sc, dev_int(32), cos, sin, kc3, vc3, q_size=q_size,
-                              kv_size=kv_size, config=cfg)  # fmt: skip
+    fg.int8_linear_rope_act(x[0], qi, si, dev_int(32), cos, sin, kc3, vc3, q_size=q_size,
+                            kv_size=kv_size, config=cfg)  # fmt: skip
     assert kc3.abs().sum() == 0 and vc3.abs().sum() == 0
 
 
 @pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_swiglu_equals_swiglu_cat_then_gemv(dtype: torch.dtype, preload: bool) -> None:
-    """The output GEMV that builds cat([attn, silu(gate) * up]) in its loads gives what the
-    GEMV of swiglu_cat's row gives (A=48 is not a multiple of the 32-wide chunks: a chunk
-    straddles attn and the activation, and K=148 ends in a partial chunk)."""
+def test_int8_linear_cat_equals_gemv_of_the_concatenation(dtype: torch.dtype, preload: bool):
+    """The output GEMV reading cat([attn, act]) from the two rows gives the GEMV of the stored
+    concatenation (A=48 is not a multiple of the 32-wide chunks: a chunk straddles both rows,
+    and K=148 ends in a partial chunk)."""
     qw, sc = gemv.quantize_int8(randn(32, 48 + 100))
-    attn = randn(1, 48, dtype=dtype)
-    gu = randn(1, 200, dtype=dtype, scale=3.0)
-    gate, up = gu[:, :100], gu[:, 100:]  # column views, as the decoder passes them
+    attn, act = randn(1, 48, dtype=dtype), randn(1, 100, dtype=dtype)
     cfg = gemv.GemvConfig(8, 32, 4, magic=True)
-    ref = gemv.int8_linear(sw.swiglu_cat(attn, gate, up), qw, sc, config=cfg)[0]
-    out = fg.int8_linear_swiglu(attn[0], gate[0], up[0], qw, sc, config=cfg, preload=preload)
-    _same(out, ref)
+    ref = gemv.int8_linear(torch.cat([attn, act], -1), qw, sc, config=cfg)[0]
+    _same(fg.int8_linear_cat(attn[0], act[0], qw, sc, config=cfg, preload=preload), ref)
 
 
 def test_fused_gemvs_reject_unsupported() -> None:
     qw, sc, cache, cos, sin, q_size, kv_size = _qkvgu_case(torch.float32)
     x, pos = randn(80), dev_int(3)
+
+    def rope_act(*args: object, **kw: object) -> object:
+        kw = {"q_size": q_size, "kv_size": kv_size, **kw}
+        return fg.int8_linear_rope_act(*args, **kw)
+
     with pytest.raises(ValueError, match="block_n must be even"):
-        fg.int8_linear_rope_cache(x, qw, sc, pos, cos, sin, cache, cache.clone(), q_size=q_size,
-                                  kv_size=kv_size, config=gemv.GemvConfig(1, 32))  # fmt: skip
+        rope_act(x, qw, sc, pos, cos, sin, cache, cache.clone(), config=gemv.GemvConfig(1, 32))
     with pytest.raises(ValueError, match="whole heads"):
-        fg.int8_linear_rope_cache(x, qw, sc, pos, cos, sin, cache, cache.clone(), q_size=q_size,
-                                  kv_size=kv_size - 8)  # fmt: skip
+        rope_act(x, qw, sc, pos, cos, sin, cache, cache.clone(), kv_size=kv_size - 8)
+    with pytest.raises(ValueError, match="gate/up pairs"):
+        rope_act(x, *gemv.quantize_int8(randn(q_size + 2 * kv_size + 3, 80)), pos, cos, sin,
+                 cache, cache.clone())  # fmt: skip
     with pytest.raises(ValueError, match="one row"):
-        fg.int8_linear_rope_cache(randn(2, 80), qw, sc, pos, cos, sin, cache, cache.clone(),
-                                  q_size=q_size, kv_size=kv_size)  # fmt: skip
+        rope_act(randn(2, 80), qw, sc, pos, cos, sin, cache, cache.clone())
     with pytest.raises(ValueError, match="pos"):
-        fg.int8_linear_rope_cache(x, qw, sc, 3, cos, sin, cache, cache.clone(), q_size=q_size,
-                                  kv_size=kv_size)  # fmt: skip
+        rope_act(x, qw, sc, 3, cos, sin, cache, cache.clone())
+    with pytest.raises(ValueError, match="not gate \\+ up"):
+        fg.interleave_gate_up(qw, 1)
     with pytest.raises(ValueError, match="multiple of the config's block_n"):
         q30 = gemv.quantize_int8(randn(30, 164))
-        cfg = gemv.GemvConfig(8, 64)
-        fg.int8_linear_swiglu(randn(64), randn(100), randn(100), *q30, config=cfg)
+        fg.int8_linear_cat(randn(64), randn(100), *q30, config=gemv.GemvConfig(8, 64))
     with pytest.raises(ValueError, match=r"q must be \[N, 164\]"):
-        fg.int8_linear_swiglu(randn(64), randn(100), randn(100), qw, sc)
+        fg.int8_linear_cat(randn(64), randn(100), qw, sc)
 
 
 def test_fused_rope_norm_into_gemv_gives_int8s_logits(fused_case, monkeypatch) -> None:
@@ -892,10 +900,11 @@ def test_into_gemv_refused_without_fused_gemvs(fused_case, projections) -> None:
 def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
     """Rumik OSS 1's decode shapes (25088 x 2048 in, 2048 x 13056 out; 16 query and 4 KV heads
     of 128) in one captured graph with PDL: the fused GEMVs against int8_linear followed by
-    rope_and_cache_write, and by swiglu_cat, at positions read from device memory."""
+    rope_and_cache_write and swiglu_cat, at positions read from device memory."""
     torch.manual_seed(2)
     bf = torch.bfloat16
     w_in = gemv.quantize_int8(randn(25088, 2048, scale=0.02).to(bf))
+    w_in_pairs = tuple(fg.interleave_gate_up(t, 3072) for t in w_in)
     w_out = gemv.quantize_int8(randn(2048, 13056, scale=0.02).to(bf))
     x, attn_row = randn(2048, dtype=bf), randn(2048, dtype=bf)
     caches = [torch.zeros(1, 4, 8192, 128, dtype=bf, device=DEVICE) for _ in range(4)]
@@ -908,12 +917,13 @@ def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
         got["q"] = rn.rope_and_cache_write(y[:2048], y[2048:2560], y[2560:3072], caches[0],
                                            caches[1], pos, cos, sin, launch_pdl=True)  # fmt: skip
         row = sw.swiglu_cat(attn_row, y[3072:14080], y[14080:], launch_pdl=True)
+        got["act"] = row[2048:]
         got["o"] = gemv.int8_linear(row, *w_out, launch_pdl=True)
-        y2 = fg.int8_linear_rope_cache(x, *w_in, pos, cos, sin, caches[2], caches[3],
-                                       q_size=2048, kv_size=512, launch_pdl=True)  # fmt: skip
-        got["q2"] = y2[:2048]
-        got["o2"] = fg.int8_linear_swiglu(attn_row, y2[3072:14080], y2[14080:], *w_out,
-                                          launch_pdl=True)  # fmt: skip
+        got["q2"], got["act2"] = fg.int8_linear_rope_act(
+            x, *w_in_pairs, pos, cos, sin, caches[2], caches[3], q_size=2048, kv_size=512,
+            launch_pdl=True,
+        )  # fmt: skip
+        got["o2"] = fg.int8_linear_cat(attn_row, got["act2"], *w_out, launch_pdl=True)
 
     step()  # warm-up: compile outside the capture
     torch.cuda.synchronize()
@@ -925,6 +935,7 @@ def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
         graph.replay()
         torch.cuda.synchronize()
         _same(got["q2"], got["q"].reshape(-1))
+        _same(got["act2"], got["act"])
         _same(caches[2][0, :, p], caches[0][0, :, p])
         _same(caches[3][0, :, p], caches[1][0, :, p])
         _same(got["o2"], got["o"])

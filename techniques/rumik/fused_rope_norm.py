@@ -16,9 +16,10 @@ Triton kernels of techniques/rumik/kernels/rope_norm.py:
 - with `swiglu` (the default), one `swiglu_cat` per layer where the projections take the
   packed [attn, act] row (`output_packed`): silu(gate) * up written beside attn, instead of
   three launches (silu, multiply, concatenate).
-- with `into_gemv`, neither of those two launches: the rotary + cache write is the input
-  GEMV's epilogue and the activation is the output GEMV's x load (kernels/fused_gemv.py), for
-  projections that offer such GEMVs (`qkvgu_rope`, `output_swiglu`: int8_projections). Five
+- with `into_gemv`, neither of those two launches: the rotary + cache write and the SwiGLU
+  are the input GEMV's epilogue (its gate and up rows interleaved in pairs) and the output GEMV
+  reads [attn, act] from the two rows (kernels/fused_gemv.py), for projections that offer such
+  GEMVs (`qkv_rope_act`, `output_cat`: int8_projections). Five
   launches a layer instead of seven; the same roundings (a GEMV row's fp32 sum may be reduced
   in another order).
 
@@ -72,8 +73,8 @@ class FusedRopeNormParams(TechniqueParams):
     )
     into_gemv: bool = Field(
         False,
-        description="rotary + cache write in the input GEMV's epilogue, SwiGLU in the output "
-        "GEMV's load: two launches a layer fewer (int8_projections only).",
+        description="rotary, cache write and SwiGLU in the input GEMV's epilogue, the output "
+        "GEMV reading [attn, act] from two rows: two launches a layer fewer (int8 only).",
     )
     preload: bool = Field(
         True,
@@ -123,11 +124,13 @@ class FusedRopeNormDecoder(StaticDecoder):
         self.output = getattr(self.proj, "output", None)
         self.output_packed = getattr(self.proj, "output_packed", None) if swiglu else None
         self.into_gemv, self.preload = into_gemv, preload
-        if into_gemv and not all(hasattr(self.proj, m) for m in ("qkvgu_rope", "output_swiglu")):
-            raise UnsupportedConfig(
-                f"fused_rope_norm: into_gemv needs projections with fused GEMVs "
-                f"(int8_projections); this stack's are {type(self.proj).__name__}"
-            )
+        if into_gemv:
+            if not all(hasattr(self.proj, m) for m in ("qkv_rope_act", "output_cat")):
+                raise UnsupportedConfig(
+                    f"fused_rope_norm: into_gemv needs projections with fused GEMVs "
+                    f"(int8_projections); this stack's are {type(self.proj).__name__}"
+                )
+            self.proj.interleave_gate_up()  # the order the fused input GEMV reads
         self.engine = engine  # its `launch` option is read at each decode step
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -168,17 +171,17 @@ class FusedRopeNormDecoder(StaticDecoder):
     def _layer_into_gemv(
         self, i: int, xn: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer in five launches: GEMV + rotary + cache write, attention (split and
-        merge), GEMV of the activation, add + next norm."""
+        """One layer in five launches: GEMV + rotary + cache write + SwiGLU, attention (split
+        and merge), GEMV of [attn, act], add + next norm."""
         from orchestrate.techniques.rumik.kernels import rope_norm as rn
 
         rope = RopeArgs(self.k[i], self.v[i], positions, self.cos_half, self.sin_half,
                         self.sliding[i])  # fmt: skip
-        q, gate, up = self.proj.qkvgu_rope(i, xn, rope, preload=self.preload)
+        q, act = self.proj.qkv_rope_act(i, xn, rope, preload=self.preload)
         window = self.window if self.sliding[i] else None
         attn = self.attend(q.view(1, self.hq, 1, self.d), self.k[i], self.v[i], positions, window)
         attn = attn.transpose(1, 2).reshape(1, 1, self.hq * self.d)
-        delta = self.proj.output_swiglu(i, attn, gate, up, preload=self.preload)
+        delta = self.proj.output_cat(i, attn, act, preload=self.preload)
         return rn.add_layer_norm(delta, x, self.next_norm[i], self.eps,
                                  launch_pdl=self.engine.launch.pdl)  # fmt: skip
 

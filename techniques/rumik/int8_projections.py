@@ -47,6 +47,7 @@ class QuantizedPacked(Projections):
             self.w_out.append(self.quantize(torch.cat([a.o_proj.weight, m.down_proj.weight], 1)))
             del w_in
         self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
+        self.gate_up_interleaved = False  # see interleave_gate_up (Int8Packed)
 
     def check(self, cfg: Any) -> None:  # an optional hook: int8 fits any shape
         """Raise when the model's shapes do not fit the packing."""
@@ -79,7 +80,17 @@ class QuantizedPacked(Projections):
         return tensor_bytes(*(t for pair in self.w_in + self.w_out for t in pair))
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
+        if not self.gate_up_interleaved:
+            return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
+        rows = xn.reshape(-1, xn.shape[-1])
+        if rows.shape[0] > self.max_gemv_rows:  # prefill: the dequantised rows, plain order,
+            # so its GEMM (and its rounding) is the one without interleave_gate_up
+            w = self.dequantize(*self.w_in[i], xn.dtype)[self.plain_rows]
+            y = F.linear(rows, w).view(*xn.shape[:-1], -1)
+            return tuple(y.split(self.sizes, dim=-1))
+        y = self._linear(xn, self.w_in[i])
+        q, k, v, gu = y.split([*self.sizes[:3], sum(self.sizes[3:])], dim=-1)
+        return q, k, v, gu[..., 0::2], gu[..., 1::2]  # (gate_j, up_j) pairs
 
     def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """o_proj(attn) + down_proj(act) without the residual add (a fused kernel adds it)."""
@@ -112,33 +123,45 @@ class Int8Packed(QuantizedPacked):
         return dequantize_int8(q, scale).to(dtype)
 
     # The GEMVs with the decode step's glue folded in (kernels/fused_gemv.py), for one decode
-    # row; fused_rope_norm's `into_gemv` calls them.
+    # row; fused_rope_norm's `into_gemv` calls them, after interleave_gate_up().
 
-    def qkvgu_rope(
+    def interleave_gate_up(self) -> None:
+        """Reorder each input weight's gate and up rows as (gate_j, up_j) pairs, the order the
+        fused input GEMV reads; qkvgu() then reads them back in that order. Idempotent."""
+        from orchestrate.techniques.rumik.kernels.fused_gemv import interleave_gate_up
+
+        if self.gate_up_interleaved:
+            return
+        start = sum(self.sizes[:3])
+        self.w_in = [(interleave_gate_up(q, start), interleave_gate_up(s, start))
+                     for q, s in self.w_in]  # fmt: skip
+        order = interleave_gate_up(torch.arange(sum(self.sizes)), start)
+        self.plain_rows = torch.argsort(order).to(self.w_in[0][0].device)  # its inverse
+        self.gate_up_interleaved = True
+
+    def qkv_rope_act(
         self, i: int, xn: torch.Tensor, rope: Any, *, preload: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rotated q, gate, up) of layer i; k and v go straight into the layer's cache row.
-        `rope`: the caches, position and tables (fused_rope_norm.RopeArgs)."""
-        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_rope_cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated q, silu(gate) * up) of layer i; k and v go straight into the layer's cache
+        row. `rope`: the caches, position and tables (fused_rope_norm.RopeArgs)."""
+        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_rope_act
 
-        q_size, kv_size = self.sizes[0], self.sizes[1]
-        y = int8_linear_rope_cache(
+        if not self.gate_up_interleaved:
+            raise RuntimeError("qkv_rope_act reads (gate_j, up_j) pairs: interleave_gate_up first")
+        return int8_linear_rope_act(
             xn.reshape(-1), *self.w_in[i], rope.position, rope.cos, rope.sin, rope.k_cache,
-            rope.v_cache, q_size=q_size, kv_size=kv_size, rotary=rope.rotary, preload=preload,
-            launch_pdl=self.launch_pdl,
+            rope.v_cache, q_size=self.sizes[0], kv_size=self.sizes[1], rotary=rope.rotary,
+            preload=preload, launch_pdl=self.launch_pdl,
         )  # fmt: skip
-        q, _, _, gate, up = y.split(self.sizes)
-        return q, gate, up
 
-    def output_swiglu(
-        self, i: int, attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-        *, preload: bool = True,
-    ) -> torch.Tensor:  # fmt: skip
-        """output_packed(i, cat([attn, silu(gate) * up])) without storing that row."""
-        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_swiglu
+    def output_cat(
+        self, i: int, attn: torch.Tensor, act: torch.Tensor, *, preload: bool = True
+    ) -> torch.Tensor:
+        """output_packed(i, cat([attn, act])) without storing that row."""
+        from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_cat
 
-        y = int8_linear_swiglu(attn.reshape(-1), gate, up, *self.w_out[i], preload=preload,
-                               launch_pdl=self.launch_pdl)  # fmt: skip
+        y = int8_linear_cat(attn.reshape(-1), act, *self.w_out[i], preload=preload,
+                            launch_pdl=self.launch_pdl)  # fmt: skip
         return y.view(*attn.shape[:-1], -1)
 
 

@@ -2,32 +2,35 @@
 
 Contract
 --------
-- `int8_linear_rope_cache(x[K], q[N, K], scale[N], pos, cos, sin, k_cache, v_cache, *,
-  q_size, kv_size, rotary)` -> y[N]: the packed input projection [q | k | v | rest] of one
-  decode row, then what `rope_norm.rope_and_cache_write` does to its q, k, v: q rotated
+- `int8_linear_rope_act(x[K], q[N, K], scale[N], pos, cos, sin, k_cache, v_cache, *, q_size,
+  kv_size, rotary)` -> (q_rot[Q], act[F]): the packed input projection of one decode row,
+  whose rows are [q | k | v | (gate_j, up_j) pairs] (`interleave_gate_up` builds that order),
+  then what `rope_norm.rope_and_cache_write` and `swiglu.swiglu_cat` do with it: q rotated
   (interleaved pairs 2i, 2i+1 of each head, at the position read from device memory), k rotated
-  and written into the cache row `pos`, v written into its cache row. y holds the rotated q
-  and the rest (gate, up) as the plain GEMV gives them (its k and v columns too, unrotated).
-- `int8_linear_swiglu(attn[A], gate[F], up[F], q[N, A + F], scale[N])` -> y[N]: the packed
-  output projection of `swiglu.swiglu_cat(attn, gate, up)`, whose row is never written.
+  and written into the cache row `pos`, v written into its cache row, act = silu(gate) * up.
+  The projection's own output row is never stored.
+- `int8_linear_cat(attn[A], act[F], q[N, A + F], scale[N])` -> y[N]: the packed output
+  projection of cat([attn, act]), read from the two rows (the concatenation is never stored).
 - The same roundings as the unfused launches: the GEMV's fp32 sum times the scale, stored in
-  x's dtype, is what the rotary reads; silu(gate) is stored in the input dtype before the
-  product, the product before the GEMV reads it. Under the interpreter the fused and unfused
-  paths give the same bits (tests/test_kernels.py); compiled, a row's fp32 sum may be reduced
-  in another order (another tile shape), so they agree up to that order (tests/test_gpu.py).
-  M = 1 only, no split-K or register prefetch (a config's block sizes, warps and `magic` are
-  used): the decode shapes have enough row blocks. No host synchronisation: CUDA-graph and
-  device-loop safe.
+  x's dtype, is what the rotary and the activation read; silu(gate) is stored in that dtype
+  before the product, the product before the output GEMV reads it. Under the interpreter the
+  fused and unfused paths give the same bits (tests/test_kernels.py); compiled, a row's fp32
+  sum may be reduced in another order (another tile shape), so they agree up to that order
+  (tests/test_gpu.py). M = 1 only, no split-K or register prefetch (a config's block sizes,
+  warps and `magic` are used): the decode shapes have enough row blocks. No host
+  synchronisation: CUDA-graph and device-loop safe.
 
 Why
 ---
 exp74-full launched, per layer, a rotary + cache-write kernel after the input GEMV and a
-SwiGLU + pack kernel before the output GEMV: two of its seven launches a layer, each about
-1.5-3.5 us inside the graph, mostly waiting on the GEMV beside it (the session-7 profile,
-benchmarks/README.md). Here the rotary is the input GEMV's epilogue (a program owns pairs of
-rows: an even and an odd accumulator, so a pair is rotated where it is summed) and the
-activation is the output GEMV's x load (each program recomputes the activation of its chunks
-from gate and up, 11k exps per program: cheap beside the weights it streams).
+SwiGLU + pack kernel before the output GEMV: two of its seven launches a layer (3.5 and 1.2 us
+a call in the session-11 profile, benchmarks/README.md). A program here owns pairs of rows (an
+even and an odd accumulator), so a rotary pair, or a (gate_j, up_j) pair, is finished where it
+is summed: the epilogue costs one table load or one exp per pair.
+
+A first version computed the activation in the output GEMV's x load instead: every one of
+its 256 programs recomputed all 11,008 activations (about 20 MB of L2 reads a call), and that
+GEMV went from 10.5 to 13.2 us a call, more than the launch it saved (same profile).
 
 With PDL (`preload`), each program loads its first weight chunk before gdc_wait(): weights
 never change, so that load overlaps the previous kernel's tail; x is read only after the wait
@@ -73,8 +76,8 @@ def _x_chunk(x_ptr, k, K, offs_k, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rope_cache_kernel(
-    x_ptr, q_ptr, scale_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+def _gemv_rope_act_kernel(
+    x_ptr, q_ptr, scale_ptr, q_out_ptr, act_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     K, Q, KV, S_MAX, TABLE_LEN, stride_qn, stride_kch, stride_kcs, stride_vch, stride_vcs,
     HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     MAGIC: tl.constexpr, ROTARY: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
@@ -101,8 +104,8 @@ def _gemv_rope_cache_kernel(
         acc_o += _dequant(_w_chunk(odd_ptrs, k, K, offs_k, EVEN), MAGIC) * x[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    dt = out_ptr.dtype.element_ty
-    # the plain GEMV's output, rounded as it stores it: what the rotary kernel would read
+    dt = q_out_ptr.dtype.element_ty
+    # the plain GEMV's output, rounded as it stores it: what the rotary and SwiGLU kernels read
     ye = (tl.sum(acc_e, axis=1) * tl.load(scale_ptr + rows).to(tl.float32)).to(dt)
     yo = (tl.sum(acc_o, axis=1) * tl.load(scale_ptr + rows + 1).to(tl.float32)).to(dt)
     ye = ye.to(tl.float32)
@@ -111,47 +114,45 @@ def _gemv_rope_cache_kernel(
     is_q = rows < Q
     is_k = (rows >= Q) & (rows < Q + KV)
     is_v = (rows >= Q + KV) & (rows < Q + 2 * KV)
+    is_act = rows >= Q + 2 * KV  # (gate_j, up_j) pairs
+    re, ro = ye, yo
     if ROTARY:
         turn = (is_q | is_k) & (pos >= 0) & (pos < TABLE_LEN)
         j = (rows % HEAD_DIM) // 2  # the pair's index in its head: Q and KV are whole heads
         c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=1.0).to(tl.float32)
         s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=0.0).to(tl.float32)
-        re = ye * c - yo * s  # rope_norm._rotate_heads' arithmetic, in the same order
-        ro = yo * c + ye * s
-        ye = tl.where(turn, re, ye)
-        yo = tl.where(turn, ro, yo)
-    tl.store(out_ptr + rows, ye.to(dt))
-    tl.store(out_ptr + rows + 1, yo.to(dt))
+        re = tl.where(turn, ye * c - yo * s, ye)  # rope_norm._rotate_heads' arithmetic
+        ro = tl.where(turn, yo * c + ye * s, yo)
+    tl.store(q_out_ptr + rows, re.to(dt), mask=is_q)
+    tl.store(q_out_ptr + rows + 1, ro.to(dt), mask=is_q)
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
     kr = rows - Q
     k_dst = kc_ptr + (kr // HEAD_DIM) * stride_kch + pos * stride_kcs + kr % HEAD_DIM
-    tl.store(k_dst, ye.to(kc_ptr.dtype.element_ty), mask=is_k & in_cache)
-    tl.store(k_dst + 1, yo.to(kc_ptr.dtype.element_ty), mask=is_k & in_cache)
+    tl.store(k_dst, re.to(kc_ptr.dtype.element_ty), mask=is_k & in_cache)
+    tl.store(k_dst + 1, ro.to(kc_ptr.dtype.element_ty), mask=is_k & in_cache)
     vr = rows - Q - KV
     v_dst = vc_ptr + (vr // HEAD_DIM) * stride_vch + pos * stride_vcs + vr % HEAD_DIM
     tl.store(v_dst, ye.to(vc_ptr.dtype.element_ty), mask=is_v & in_cache)
     tl.store(v_dst + 1, yo.to(vc_ptr.dtype.element_ty), mask=is_v & in_cache)
+    silu = (ye / (1.0 + tl.exp(-ye))).to(dt)  # F.silu stores this
+    act = (silu.to(tl.float32) * yo).to(dt)  # and `*` stores this
+    tl.store(act_ptr + (rows - Q - 2 * KV) // 2, act, mask=is_act)
 
 
 @triton.jit
-def _swiglu_x_chunk(attn_ptr, gate_ptr, up_ptr, k, A, K, offs_k):
-    """x[k : k + BLOCK_K] of cat([attn, silu(gate) * up]), rounded as swiglu_cat stores it."""
+def _cat_x_chunk(attn_ptr, act_ptr, k, A, K, offs_k):
+    """x[k : k + BLOCK_K] of cat([attn, act]), read from the two rows."""
     idx = k + offs_k
     in_attn = idx < A
-    in_act = (idx >= A) & (idx < K)
-    dt = attn_ptr.dtype.element_ty
     a = tl.load(attn_ptr + idx, mask=in_attn, other=0.0, eviction_policy="evict_last")
-    g = tl.load(gate_ptr + idx - A, mask=in_act, other=0.0, eviction_policy="evict_last")
-    u = tl.load(up_ptr + idx - A, mask=in_act, other=0.0, eviction_policy="evict_last")
-    g = g.to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt)  # F.silu stores this
-    act = (s.to(tl.float32) * u.to(tl.float32)).to(dt)  # and `*` stores this
-    return tl.where(in_attn, a.to(tl.float32), act.to(tl.float32))
+    b = tl.load(act_ptr + idx - A, mask=(idx >= A) & (idx < K), other=0.0,
+                eviction_policy="evict_last")  # fmt: skip
+    return tl.where(in_attn, a.to(tl.float32), b.to(tl.float32))
 
 
 @triton.jit
-def _gemv_swiglu_kernel(
-    attn_ptr, gate_ptr, up_ptr, q_ptr, scale_ptr, out_ptr, K, A, stride_qn,
+def _gemv_cat_kernel(
+    attn_ptr, act_ptr, q_ptr, scale_ptr, out_ptr, K, A, stride_qn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, MAGIC: tl.constexpr,
     PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -163,12 +164,11 @@ def _gemv_swiglu_kernel(
     if PRELOAD:
         w = _w_chunk(w_ptrs, 0, K, offs_k, EVEN)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # attn, gate and up come from earlier kernels
+        tl.extra.cuda.gdc_wait()  # attn and act come from earlier kernels
     if PRELOAD:
-        acc += _dequant(w, MAGIC) * _swiglu_x_chunk(attn_ptr, gate_ptr, up_ptr, 0, A, K,
-                                                    offs_k)[None, :]  # fmt: skip
+        acc += _dequant(w, MAGIC) * _cat_x_chunk(attn_ptr, act_ptr, 0, A, K, offs_k)[None, :]
     for k in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
-        x = _swiglu_x_chunk(attn_ptr, gate_ptr, up_ptr, k, A, K, offs_k)
+        x = _cat_x_chunk(attn_ptr, act_ptr, k, A, K, offs_k)
         acc += _dequant(_w_chunk(w_ptrs, k, K, offs_k, EVEN), MAGIC) * x[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -203,7 +203,17 @@ def _block(cfg: GemvConfig, n: int, name: str) -> GemvConfig:
     return cfg
 
 
-def int8_linear_rope_cache(
+def interleave_gate_up(t: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows [start:] of t, [gate (F); up (F)], reordered as pairs (gate_j, up_j): the order
+    `int8_linear_rope_act` reads. Rows before `start` (q, k, v) are kept."""
+    gu = t[start:]
+    if gu.shape[0] % 2:
+        raise ValueError(f"interleave_gate_up: {gu.shape[0]} rows after {start} are not gate + up")
+    pairs = gu.reshape(2, gu.shape[0] // 2, *gu.shape[1:]).transpose(0, 1)
+    return torch.cat([t[:start], pairs.reshape(gu.shape)]).contiguous()
+
+
+def int8_linear_rope_act(
     x: torch.Tensor,
     q: torch.Tensor,
     scale: torch.Tensor,
@@ -219,11 +229,12 @@ def int8_linear_rope_cache(
     config: GemvConfig | None = None,
     preload: bool = True,
     launch_pdl: bool = False,
-) -> torch.Tensor:
-    """y = x @ (q * scale).T with q and k rotated at `pos` and k, v written into the caches."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated q, silu(gate) * up) of x @ (q * scale).T, whose rows are [q | k | v | (gate_j,
+    up_j) pairs] (interleave_gate_up); k rotated and v are written into the caches at `pos`."""
     from .rope_norm import _as_3d
 
-    name = "int8_linear_rope_cache"
+    name = "int8_linear_rope_act"
     kc, vc = _as_3d(k_cache), _as_3d(v_cache)
     d = kc.shape[-1]
     x = _row(f"{name} x", x)
@@ -234,31 +245,32 @@ def int8_linear_rope_cache(
     n, k = _weights(name, q, scale, x.shape[-1])
     if d % 2 or d & (d - 1) or q_size % d or kv_size % d or kv_size != kc.shape[0] * d:
         raise ValueError(f"{name}: q_size, kv_size must be whole heads of the caches' {d}")
-    if n < q_size + 2 * kv_size or kc.shape != vc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
-        raise ValueError(f"{name}: N={n} must hold q, k, v; caches [Hkv, S, {d}], last dim dense")
+    rest = n - q_size - 2 * kv_size
+    if rest <= 0 or rest % 2 or kc.shape != vc.shape or kc.stride(-1) != 1 or vc.stride(-1) != 1:
+        raise ValueError(f"{name}: N={n} must hold q, k, v and gate/up pairs; caches dense")
     table_ok = cos.dim() == 2 and cos.shape[1] == d // 2 and cos.is_contiguous()
     if cos.shape != sin.shape or not table_ok:
         raise ValueError(f"{name}: cos/sin must be contiguous [P, {d // 2}]")
     cfg = _block(config or int8_gemv.default_config(n, k), n, name)
     if cfg.block_n % 2:
         raise ValueError(f"{name}: block_n must be even (a program owns pairs of rows)")
-    out = torch.empty(n, dtype=x.dtype, device=device)
+    q_out = torch.empty(q_size, dtype=x.dtype, device=device)
+    act = torch.empty(rest // 2, dtype=x.dtype, device=device)
     use_pdl = pdl_enabled(launch_pdl, device)
-    _gemv_rope_cache_kernel[(n // cfg.block_n,)](
-        x, q, scale, out, pos, cos, sin, kc, vc,
+    _gemv_rope_act_kernel[(n // cfg.block_n,)](
+        x, q, scale, q_out, act, pos, cos, sin, kc, vc,
         k, q_size, kv_size, kc.shape[1], cos.shape[0], q.stride(0),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         HEAD_DIM=d, PAIRS=cfg.block_n // 2, BLOCK_K=cfg.block_k, EVEN=k % cfg.block_k == 0,
         MAGIC=cfg.magic, ROTARY=bool(rotary), PRELOAD=preload, USE_PDL=use_pdl,
         **launch_options(use_pdl, cfg.num_warps),
     )  # fmt: skip
-    return out
+    return q_out, act
 
 
-def int8_linear_swiglu(
+def int8_linear_cat(
     attn: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
+    act: torch.Tensor,
     q: torch.Tensor,
     scale: torch.Tensor,
     *,
@@ -266,21 +278,21 @@ def int8_linear_swiglu(
     preload: bool = True,
     launch_pdl: bool = False,
 ) -> torch.Tensor:
-    """y = cat([attn, silu(gate) * up]) @ (q * scale).T, the concatenated row never stored."""
-    name = "int8_linear_swiglu"
-    for label, t in (("attn", attn), ("gate", gate), ("up", up)):
+    """y = cat([attn, act]) @ (q * scale).T, the concatenated row never stored."""
+    name = "int8_linear_cat"
+    for label, t in (("attn", attn), ("act", act)):
         _row(f"{name} {label}", t)
         check_dtype(f"{name} {label}", t, FLOAT_DTYPES)
-    device = check_device(name, attn, gate, up, q, scale)
-    if not attn.dtype == gate.dtype == up.dtype or gate.shape[-1] != up.shape[-1]:
-        raise ValueError(f"{name}: attn, gate and up must share a dtype; gate and up a width")
+    device = check_device(name, attn, act, q, scale)
+    if attn.dtype != act.dtype:
+        raise ValueError(f"{name}: attn and act must share a dtype")
     a = attn.shape[-1]
-    n, k = _weights(name, q, scale, a + gate.shape[-1])
+    n, k = _weights(name, q, scale, a + act.shape[-1])
     cfg = _block(config or int8_gemv.default_config(n, k), n, name)
     out = torch.empty(n, dtype=attn.dtype, device=device)
     use_pdl = pdl_enabled(launch_pdl, device)
-    _gemv_swiglu_kernel[(n // cfg.block_n,)](
-        attn, gate, up, q, scale, out, k, a, q.stride(0),
+    _gemv_cat_kernel[(n // cfg.block_n,)](
+        attn, act, q, scale, out, k, a, q.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k % cfg.block_k == 0, MAGIC=cfg.magic,
         PRELOAD=preload, USE_PDL=use_pdl, **launch_options(use_pdl, cfg.num_warps),
     )  # fmt: skip
