@@ -11,6 +11,8 @@
 # the GEMVs' first weight chunk loaded before the PDL wait.
 #   bash benchmarks/speed2_s11.sh ab2       # after the profile: the SwiGLU moved into the
 #                                           # input GEMV's epilogue; GPU tests, A/B, profile
+#   bash benchmarks/speed2_s11.sh ab3       # its epilogue loads hoisted; then ov-recipe,
+#                                           # ov-best, ov-best-packed on five seeds
 set -o pipefail
 case "$1" in
 ab)
@@ -38,5 +40,16 @@ ab2)  # the second version: SwiGLU in the input GEMV's epilogue, the output GEMV
     rm -rf "$OUT/issue14-s11-fused2"
     timeout 150 python3 benchmarks/profile_step.py --frames 40 \
         --out "$OUT/issue14-s11-profile2.json" --stacks exp74-full exp74-fused 2>&1 | grep -v "^  " ;;
-*) echo "usage: speed2_s11.sh ab|profile|ab2" >&2; exit 2 ;;
+ab3)  # the epilogue's position and table loads hoisted above the K loop; OmniVoice again
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        -k "fused" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -4
+    timeout 150 bash benchmarks/gpu_run.sh issue14-s11-fused3 --baseline exp74-full \
+        --stack exp74-fused --model rumik-oss-1 --device cuda --workload gpu-headline \
+        --fidelity-steps 0 2>&1 | grep -v "^│" | tail -6
+    rm -rf "$OUT/issue14-s11-fused3"
+    timeout 200 bash benchmarks/gpu_run.sh issue14-s11-ov-packed --baseline ov-recipe \
+        --stack ov-best --stack ov-best-packed --model omnivoice --device cuda \
+        --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -6
+    rm -rf "$OUT/issue14-s11-ov-packed" ;;
+*) echo "usage: speed2_s11.sh ab|profile|ab2|ab3" >&2; exit 2 ;;
 esac
