@@ -30,7 +30,13 @@ is summed: the epilogue costs one table load or one exp per pair.
 
 A first version computed the activation in the output GEMV's x load instead: every one of
 its 256 programs recomputed all 11,008 activations (about 20 MB of L2 reads a call), and that
-GEMV went from 10.5 to 13.2 us a call, more than the launch it saved (same profile).
+GEMV went from 10.5 to 13.2 us a call, more than the launch it saved (same profile). A third
+version read the epilogue's position, table and scales before the K loop: GPU-busy 1.456 ms a
+token against this version's 1.398 (benchmarks/README.md, session 11), so they stay after it.
+
+Measured on the H200 (exp74-fused against exp74-full in one worker): no gain. 72 launches a
+token fewer, and the two fused GEMVs took about as much longer as the two launches took
+(GPU-busy 1.398 against 1.386 ms a token): at this point the step's time is the GEMVs' own.
 
 With PDL (`preload`), each program loads its first weight chunk before gdc_wait(): weights
 never change, so that load overlaps the previous kernel's tail; x is read only after the wait
@@ -94,21 +100,6 @@ def _gemv_rope_act_kernel(
         wo = _w_chunk(odd_ptrs, 0, K, offs_k, EVEN)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x and the position come from earlier kernels
-    # The epilogue's operands are read before the K loop, so their two dependent round trips
-    # (position, then its table row) overlap the weight stream instead of trailing it.
-    pos = tl.load(pos_ptr).to(tl.int64)
-    is_q = rows < Q
-    is_k = (rows >= Q) & (rows < Q + KV)
-    is_v = (rows >= Q + KV) & (rows < Q + 2 * KV)
-    is_act = rows >= Q + 2 * KV  # (gate_j, up_j) pairs
-    turn = (is_q | is_k) & (pos >= 0) & (pos < TABLE_LEN)
-    if not ROTARY:  # a layer without positional encoding (Cohere2's full-attention layers)
-        turn = rows < 0
-    j = (rows % HEAD_DIM) // 2  # the pair's index in its head: Q and KV are whole heads
-    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=0.0).to(tl.float32)
-    scale_e = tl.load(scale_ptr + rows).to(tl.float32)
-    scale_o = tl.load(scale_ptr + rows + 1).to(tl.float32)
     if PRELOAD:
         x = _x_chunk(x_ptr, 0, K, offs_k, EVEN)
         acc_e += _dequant(we, MAGIC) * x[None, :]
@@ -121,10 +112,23 @@ def _gemv_rope_act_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     dt = q_out_ptr.dtype.element_ty
     # the plain GEMV's output, rounded as it stores it: what the rotary and SwiGLU kernels read
-    ye = (tl.sum(acc_e, axis=1) * scale_e).to(dt).to(tl.float32)
-    yo = (tl.sum(acc_o, axis=1) * scale_o).to(dt).to(tl.float32)
-    re = tl.where(turn, ye * c - yo * s, ye)  # rope_norm._rotate_heads' arithmetic
-    ro = tl.where(turn, yo * c + ye * s, yo)
+    ye = (tl.sum(acc_e, axis=1) * tl.load(scale_ptr + rows).to(tl.float32)).to(dt)
+    yo = (tl.sum(acc_o, axis=1) * tl.load(scale_ptr + rows + 1).to(tl.float32)).to(dt)
+    ye = ye.to(tl.float32)
+    yo = yo.to(tl.float32)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    is_q = rows < Q
+    is_k = (rows >= Q) & (rows < Q + KV)
+    is_v = (rows >= Q + KV) & (rows < Q + 2 * KV)
+    is_act = rows >= Q + 2 * KV  # (gate_j, up_j) pairs
+    re, ro = ye, yo
+    if ROTARY:
+        turn = (is_q | is_k) & (pos >= 0) & (pos < TABLE_LEN)
+        j = (rows % HEAD_DIM) // 2  # the pair's index in its head: Q and KV are whole heads
+        c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + j, mask=turn, other=0.0).to(tl.float32)
+        re = tl.where(turn, ye * c - yo * s, ye)  # rope_norm._rotate_heads' arithmetic
+        ro = tl.where(turn, yo * c + ye * s, yo)
     tl.store(q_out_ptr + rows, re.to(dt), mask=is_q)
     tl.store(q_out_ptr + rows + 1, ro.to(dt), mask=is_q)
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
