@@ -50,18 +50,34 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 2048, 16, magic=True),
     C(4, 2048, 4, magic=True),
     C(8, 2048, 8, split_k=2, magic=True),
+    # session 11, not yet timed: the first chunk before the PDL wait (preload), and a [BLOCK_N]
+    # accumulator (reduce_each) that frees registers for wider chunks and more programs
+    C(16, 512, 8, magic=True, preload=True),
+    C(16, 512, 8, magic=True, reduce_each=True),
+    C(16, 512, 8, magic=True, preload=True, reduce_each=True),
+    C(16, 1024, 8, magic=True, preload=True, reduce_each=True),
+    C(16, 2048, 8, magic=True, preload=True, reduce_each=True),
+    C(32, 1024, 8, magic=True, preload=True, reduce_each=True),
+    C(16, 2048, 16, magic=True, preload=True, reduce_each=True),
+    C(8, 2048, 8, magic=True, preload=True),
+    C(8, 2048, 8, magic=True, preload=True, reduce_each=True),
+    C(8, 4096, 8, magic=True, preload=True, reduce_each=True),
+    C(4, 2048, 4, magic=True, preload=True, reduce_each=True),
 )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch every call with PDL: each overlaps the previous one's tail, "
+                    "as inside a decode step (where preload can pay)")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     env = capture("cuda", "none")  # measures the copy ceiling as the worker does
     ceiling = env.copy_gb_s or float("nan")
     report: dict = {"environment": env.model_dump(mode="json"), "copy_gb_s": ceiling,
-                    "shapes": []}  # fmt: skip
+                    "pdl": args.pdl, "shapes": []}  # fmt: skip
     for n, k in SHAPES:
         torch.manual_seed(0)
         q, scale = g.quantize_int8(torch.randn(n, k, device=device, dtype=torch.bfloat16))
@@ -73,7 +89,7 @@ def main() -> None:
                    - g.int8_linear_ref(x, q, scale).float()).norm() / g.int8_linear_ref(
                        x, q, scale).float().norm()  # fmt: skip
             assert float(err) < 1e-2, (cfg, float(err))
-        best, times = g.tune_int8_linear(x, q, scale, configs)
+        best, times = g.tune_int8_linear(x, q, scale, configs, launch_pdl=args.pdl)
         nbytes = q.numel() + scale.numel() * scale.element_size() + 2 * (k + n)
         rows = [
             {"config": asdict(c), "us": t * 1e3, "gb_s": nbytes / (t / 1e3) / 1e9,

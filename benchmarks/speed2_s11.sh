@@ -13,6 +13,8 @@
 #                                           # input GEMV's epilogue; GPU tests, A/B, profile
 #   bash benchmarks/speed2_s11.sh ab3       # its epilogue loads hoisted; then ov-recipe,
 #                                           # ov-best, ov-best-packed on five seeds
+#   bash benchmarks/speed2_s11.sh sweep     # (next session) INT8 GEMV configs with preload
+#                                           # and reduce_each, without and with PDL
 set -o pipefail
 case "$1" in
 ab)
@@ -51,5 +53,10 @@ ab3)  # the epilogue's position and table loads hoisted above the K loop; OmniVo
         --stack ov-best --stack ov-best-packed --model omnivoice --device cuda \
         --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -6
     rm -rf "$OUT/issue14-s11-ov-packed" ;;
-*) echo "usage: speed2_s11.sh ab|profile|ab2|ab3" >&2; exit 2 ;;
+sweep)  # written after this session's device time: the INT8 GEMV's preload / reduce_each
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        -k "int8" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -4
+    timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv-sweep.json"
+    timeout 150 python3 benchmarks/gemv_sweep.py --pdl --out "$OUT/gemv-sweep-pdl.json" ;;
+*) echo "usage: speed2_s11.sh ab|profile|ab2|ab3|sweep" >&2; exit 2 ;;
 esac

@@ -147,6 +147,16 @@ GEMV_CASES = [
     (64, 512, gemv.GemvConfig(8, 64, split_k=4, magic=True)),
     (64, 300, gemv.GemvConfig(16, 64, magic=True)),  # whole N blocks, ragged K: masked tail
     (40, 300, gemv.GemvConfig(8, 64, split_k=2)),  # the tail in the last split only
+    # the first weight chunk loaded before the PDL wait: even, ragged, tail, split
+    (64, 256, gemv.GemvConfig(16, 64, preload=True)),
+    (72, 200, gemv.GemvConfig(16, 64, preload=True)),
+    (64, 300, gemv.GemvConfig(16, 64, preload=True, magic=True)),
+    (40, 300, gemv.GemvConfig(8, 64, split_k=2, preload=True)),
+    # each chunk reduced into a [BLOCK_N] accumulator
+    (64, 300, gemv.GemvConfig(16, 64, reduce_each=True)),
+    (40, 300, gemv.GemvConfig(8, 64, split_k=3, reduce_each=True)),
+    (40, 300, gemv.GemvConfig(8, 64, split_k=2, reduce_each=True, preload=True)),
+    (64, 512, gemv.GemvConfig(16, 64, prefetch=True, reduce_each=True)),
 ]
 
 
@@ -193,6 +203,12 @@ def test_int8_linear_rejects_unsupported() -> None:
         gemv.int8_linear(torch.ones(1, 64, dtype=torch.int32, device=DEVICE), q, scale)
     with pytest.raises(ValueError, match="int8"):
         gemv.int8_linear(randn(1, 64), q.float(), scale)
+    with pytest.raises(ValueError, match="preload and prefetch"):
+        gemv.GemvConfig(16, 64, prefetch=True, preload=True)
+    q100, s100 = gemv.quantize_int8(randn(64, 100))  # splits of 64 and 36: no whole first chunk
+    with pytest.raises(ValueError, match="whole first chunks"):
+        gemv.int8_linear(randn(1, 100), q100, s100, config=gemv.GemvConfig(16, 64, split_k=2,
+                                                                         preload=True))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- INT6 GEMV

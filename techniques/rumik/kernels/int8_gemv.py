@@ -85,6 +85,14 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load chunk i+1 before the FMAs of chunk i
     magic: bool = False  # int8 -> fp32 by float-bit arithmetic instead of I2F
+    # Session 11 candidates, not yet timed on the GPU (benchmarks/gemv_sweep.py --pdl):
+    preload: bool = False  # the first weight chunk in flight before the PDL wait
+    reduce_each: bool = False  # a [BLOCK_N] accumulator: each chunk reduced at once, so the
+    # registers of a [BLOCK_N, BLOCK_K] fp32 tile are free for wider chunks / more programs
+
+    def __post_init__(self) -> None:
+        if self.preload and self.prefetch:
+            raise ValueError("GemvConfig: preload and prefetch both load the first chunk early")
 
 
 # Candidates swept by tune_int8_linear (and by benchmarks/kernels_bench.py --tune).
@@ -168,6 +176,15 @@ def _dequant(w, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _fma(acc, w, x, MAGIC: tl.constexpr, REDUCE_EACH: tl.constexpr):
+    """acc + w * x: element-wise into a [BLOCK_N, BLOCK_K] tile, or each chunk's row sums."""
+    prod = _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+    if REDUCE_EACH:
+        return acc + tl.sum(prod, axis=1)
+    return acc + prod
+
+
+@triton.jit
 def _int8_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -186,6 +203,8 @@ def _int8_gemv_kernel(
     TAIL: tl.constexpr,
     PREFETCH: tl.constexpr,
     MAGIC: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    REDUCE_EACH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -197,35 +216,52 @@ def _int8_gemv_kernel(
     w_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if PRELOAD:  # weights never change: the first chunk may overlap the previous kernel
+        if EVEN or TAIL:  # a whole first chunk (the launcher checks it for TAIL)
+            w_first = tl.load(w_ptrs + k_lo, eviction_policy="evict_first")
+        else:
+            first_mask = n_mask[:, None] & ((k_lo + offs_k) < k_hi)[None, :]
+            w_first = tl.load(w_ptrs + k_lo, mask=first_mask, other=0,
+                              eviction_policy="evict_first")  # fmt: skip
     if USE_PDL:
         # x is written by the previous kernel; everything above overlapped with its tail
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if REDUCE_EACH:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_start = k_lo
+    if PRELOAD:
+        x_first = tl.load(x_ptr + k_lo + offs_k, mask=(k_lo + offs_k) < k_hi, other=0.0,
+                          eviction_policy="evict_last")  # fmt: skip
+        acc = _fma(acc, w_first, x_first, MAGIC, REDUCE_EACH)
+        k_start = k_lo + BLOCK_K
     if PREFETCH:
         # register double-buffering: the next chunk's loads are in flight during these FMAs
         w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k_lo, k_hi, BLOCK_K, EVEN, True)
         for k in range(k_lo, k_hi, BLOCK_K):
             w_next, x_next = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k + BLOCK_K, k_hi,
                                          BLOCK_K, EVEN, True)  # fmt: skip
-            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+            acc = _fma(acc, w, x, MAGIC, REDUCE_EACH)
             w, x = w_next, x_next
     elif TAIL:
         # whole rows of blocks, K not a multiple of BLOCK_K: plain vector loads for the whole
         # chunks, per-element masks only on the last, partial one
         k_full = k_lo + ((k_hi - k_lo) // BLOCK_K) * BLOCK_K
-        for k in range(k_lo, k_full, BLOCK_K):
+        for k in range(k_start, k_full, BLOCK_K):
             w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k, k_hi, BLOCK_K, True, False)
-            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+            acc = _fma(acc, w, x, MAGIC, REDUCE_EACH)
         if k_full < k_hi:
             w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k_full, k_hi, BLOCK_K, False, False)
-            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+            acc = _fma(acc, w, x, MAGIC, REDUCE_EACH)
     else:
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for k in range(k_start, k_hi, BLOCK_K):
             w, x = _load_chunk(w_ptrs, x_ptr, offs_k, n_mask, k, k_hi, BLOCK_K, EVEN, False)
-            acc += _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
+            acc = _fma(acc, w, x, MAGIC, REDUCE_EACH)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    store_scaled(tl.sum(acc, axis=1), scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
+    part = acc if REDUCE_EACH else tl.sum(acc, axis=1)
+    store_scaled(part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
 
@@ -382,6 +418,11 @@ def _launch_gemv(
     n_blocks = cdiv(n, cfg.block_n)
     even = k % cfg.block_k == 0 and n % cfg.block_n == 0
     tail = not even and n % cfg.block_n == 0 and not cfg.prefetch
+    shortest = min(k_per_split, k - (split_k - 1) * k_per_split)  # the last split's length
+    if cfg.preload and tail and shortest < cfg.block_k:
+        raise ValueError(
+            f"int8_linear: preload with K={k} needs whole first chunks of {cfg.block_k} per split"
+        )
     if split_k > 1:
         part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
         sem = split_k_semaphores(x.device, n_blocks)
@@ -405,6 +446,8 @@ def _launch_gemv(
         TAIL=tail,
         PREFETCH=cfg.prefetch,
         MAGIC=cfg.magic,
+        PRELOAD=cfg.preload,
+        REDUCE_EACH=cfg.reduce_each,
         USE_PDL=use_pdl,
         **launch_options(use_pdl, cfg.num_warps, cfg.num_stages),
     )
@@ -449,11 +492,14 @@ def tune_int8_linear(
     q: torch.Tensor,
     scale: torch.Tensor,
     configs: tuple[GemvConfig, ...] = GEMV_CONFIGS,
+    *,
+    launch_pdl: bool = False,
 ) -> tuple[GemvConfig, dict[GemvConfig, float]]:
     """Time every config (ms per call) and remember the fastest for this device/M/N/K.
 
     Timed as CUDA-graph replays over copies of q that together exceed the L2 four times, so
-    neither host launch overhead nor L2 hits flatter small shapes. GPU only; synchronises, so
+    neither host launch overhead nor L2 hits flatter small shapes; with `launch_pdl` each
+    call overlaps the previous one's tail (where `preload` can pay). GPU only; synchronises, so
     call it before graph capture. Later int8_linear calls with the same device, M == 1 or not,
     N and K use the winner unless a config is passed explicitly.
     """
@@ -463,7 +509,10 @@ def tune_int8_linear(
     copies = [q] + [q.clone() for _ in range(l2_copies(x.device, q.numel()) - 1)]
     times: dict[GemvConfig, float] = {}
     for cfg in configs:
-        calls = [lambda c=c, cfg=cfg: int8_linear(x, c, scale, config=cfg) for c in copies]
+        calls = [
+            lambda c=c, cfg=cfg: int8_linear(x, c, scale, config=cfg, launch_pdl=launch_pdl)
+            for c in copies
+        ]
         times[cfg] = graph_ms_per_call(calls)
     best = min(times, key=times.__getitem__)
     _TUNED[(str(x.device), m == 1, n, k)] = best
