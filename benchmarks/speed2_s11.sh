@@ -14,7 +14,8 @@
 #   bash benchmarks/speed2_s11.sh ab3       # its epilogue loads hoisted; then ov-recipe,
 #                                           # ov-best, ov-best-packed on five seeds
 #   bash benchmarks/speed2_s11.sh sweep     # (next session) INT8 GEMV configs with preload
-#                                           # and reduce_each, without and with PDL
+#                                           # and reduce_each, without and with PDL; then
+#                                           # exp74-full against exp74-full-preload
 set -o pipefail
 case "$1" in
 ab)
@@ -57,6 +58,10 @@ sweep)  # written after this session's device time: the INT8 GEMV's preload / re
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
         -k "int8" 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -4
     timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv-sweep.json"
-    timeout 150 python3 benchmarks/gemv_sweep.py --pdl --out "$OUT/gemv-sweep-pdl.json" ;;
+    timeout 150 python3 benchmarks/gemv_sweep.py --pdl --out "$OUT/gemv-sweep-pdl.json"
+    timeout 200 bash benchmarks/gpu_run.sh issue14-preload --baseline exp74-full \
+        --stack benchmarks/stacks/exp74-full-preload.yaml --model rumik-oss-1 --device cuda \
+        --workload gpu-headline --fidelity-steps 0 2>&1 | grep -v "^│" | tail -6
+    rm -rf "$OUT/issue14-preload" ;;
 *) echo "usage: speed2_s11.sh ab|profile|ab2|ab3|sweep" >&2; exit 2 ;;
 esac

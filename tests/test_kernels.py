@@ -620,6 +620,26 @@ def test_fused_rope_norm_composes_with_int8(fused_case, monkeypatch) -> None:
     assert calls, "the decoder did not use swiglu_cat"
 
 
+def test_int8_preload_changes_no_logit(fused_case, monkeypatch) -> None:
+    """int8_projections' preload is a launch option: the same logits, and it reaches the
+    kernel's config (a config with prefetch refuses it rather than ignore it)."""
+    model, prompt, tokens, _ = fused_case
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: gemv.GemvConfig(64, 128))
+    names = ["static_kv_cache", "int8_projections", "fused_rope_norm"]
+    plain = _teacher_forced(model, names, prompt, tokens[:4])
+    seen: list[bool] = []
+    launch = gemv._launch_gemv
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl: seen.append(
+        cfg.preload) or launch(x, q, s, o, cfg, pdl))  # fmt: skip
+    pre = _teacher_forced(model, names, prompt, tokens[:4], int8_projections={"preload": True})
+    assert seen and all(seen)
+    assert torch.equal(pre, plain) if not CUDA else rel_err(pre, plain) < 1e-6
+    prefetching = gemv.GemvConfig(64, 128, prefetch=True)
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: prefetching)
+    with pytest.raises(ValueError, match="preload and prefetch"):
+        _teacher_forced(model, names, prompt, tokens[:2], int8_projections={"preload": True})
+
+
 def test_fused_rope_norm_refuses_unsupported() -> None:
     from orchestrate.api.technique import UnsupportedConfig
     from orchestrate.techniques.rumik.fused_rope_norm import check_supported

@@ -25,6 +25,11 @@ MAX_GEMV_ROWS = 4
 
 class Int8Params(TechniqueParams):
     pdl: bool = Field(False, description="Programmatic dependent launch (Hopper).")
+    preload: bool = Field(
+        False,
+        description="Each decode GEMV program loads its first weight chunk before its PDL "
+        "wait (a launch option; numerically the same GEMV).",
+    )
 
 
 class QuantizedPacked(Projections):
@@ -107,6 +112,8 @@ class QuantizedPacked(Projections):
 
 
 class Int8Packed(QuantizedPacked):
+    preload: bool = False  # see Int8Params.preload
+
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from orchestrate.techniques.rumik.kernels.int8_gemv import quantize_int8
 
@@ -115,7 +122,7 @@ class Int8Packed(QuantizedPacked):
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
-        return int8_linear(rows, q, scale, launch_pdl=self.launch_pdl)
+        return int8_linear(rows, q, scale, launch_pdl=self.launch_pdl, preload=self.preload)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import dequantize_int8
@@ -173,7 +180,10 @@ class Int8Projections(Technique):
     requires = ("cuda", "package:triton")
     after = ("static_kv_cache",)
     summary = "APPROXIMATE: int8 weight-only packed projections with a Triton GEMV."
+    version = 2  # 2: the `preload` param (off: version 1's launches)
     Params = Int8Params
 
     def apply(self, engine: Engine) -> None:
-        engine.projections = Int8Packed(engine, self.params.pdl)  # type: ignore[attr-defined]
+        p: Int8Params = self.params  # type: ignore[assignment]
+        engine.projections = projections = Int8Packed(engine, p.pdl)
+        projections.preload = p.preload

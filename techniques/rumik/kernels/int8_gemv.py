@@ -48,7 +48,7 @@ capture: it launches many kernels and synchronises).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -383,8 +383,10 @@ def int8_linear(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
     launch_pdl: bool = False,
+    preload: bool = False,
 ) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ (q * scale[:, None]).T, for 1..4 rows of x."""
+    """y[..., N] = x[..., K] @ (q * scale[:, None]).T, for 1..4 rows of x. `preload` turns on
+    the config's `preload` (one row only; a config with `prefetch` refuses it)."""
     m, n, k = _check_inputs(x, q, scale)
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
@@ -394,6 +396,8 @@ def int8_linear(
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"int8_linear: out must be contiguous {(m, n)} {x.dtype}")
     cfg = config or _TUNED.get((str(x.device), m == 1, n, k)) or default_config(n, k)
+    if preload and m == 1 and not cfg.preload:
+        cfg = replace(cfg, preload=True)  # GemvConfig refuses it with prefetch
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
     if m == 1:
