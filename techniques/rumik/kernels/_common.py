@@ -105,6 +105,15 @@ def check_scalar_tensor(name: str, t: object, device: torch.device) -> torch.Ten
     return t
 
 
+def check_row(name: str, t: torch.Tensor) -> torch.Tensor:
+    """One row (batch-1 decode) with a contiguous last dim; returns t."""
+    if t.numel() != t.shape[-1]:
+        raise ValueError(f"{name} must be one row (batch-1 decode), got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim")
+    return t
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -54,6 +54,7 @@ from ._common import (
     FLOAT_DTYPES,
     check_device,
     check_dtype,
+    check_row,
     check_scalar_tensor,
     launch_options,
     patch_interpreter_scalars,
@@ -185,14 +186,6 @@ def _gemv_cat_kernel(
 # --------------------------------------------------------------------------- torch side
 
 
-def _row(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.numel() != t.shape[-1]:
-        raise ValueError(f"{name} must be one row (batch-1 decode), got {tuple(t.shape)}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dim")
-    return t
-
-
 def _weights(name: str, q: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[int, int]:
     check_dtype(f"{name} q", q, (torch.int8,))
     check_dtype(f"{name} scale", scale, FLOAT_DTYPES)
@@ -243,7 +236,7 @@ def int8_linear_rope_act(
     name = "int8_linear_rope_act"
     kc, vc = _as_3d(k_cache), _as_3d(v_cache)
     d = kc.shape[-1]
-    x = _row(f"{name} x", x)
+    x = check_row(f"{name} x", x)
     device = check_device(name, x, q, scale, cos, sin, kc, vc)
     check_scalar_tensor(f"{name} pos", pos, device)
     for t in (x, cos, sin, kc, vc):
@@ -287,7 +280,7 @@ def int8_linear_cat(
     """y = cat([attn, act]) @ (q * scale).T, the concatenated row never stored."""
     name = "int8_linear_cat"
     for label, t in (("attn", attn), ("act", act)):
-        _row(f"{name} {label}", t)
+        check_row(f"{name} {label}", t)
         check_dtype(f"{name} {label}", t, FLOAT_DTYPES)
     device = check_device(name, attn, act, q, scale)
     if attn.dtype != act.dtype:

@@ -30,6 +30,7 @@ from ._common import (
     cdiv,
     check_device,
     check_dtype,
+    check_row,
     launch_options,
     patch_interpreter_scalars,
     pdl_enabled,
@@ -70,14 +71,6 @@ def swiglu_cat_ref(attn: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
     return torch.cat([attn, F.silu(gate) * up], dim=-1)
 
 
-def _row(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.numel() != t.shape[-1]:
-        raise ValueError(f"swiglu_cat: {name} must be one row (batch-1 decode), got {t.shape}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"swiglu_cat: {name} must have a contiguous last dim")
-    return t
-
-
 def swiglu_cat(
     attn: torch.Tensor,
     gate: torch.Tensor,
@@ -89,7 +82,7 @@ def swiglu_cat(
     device = check_device("swiglu_cat", attn, gate, up)
     for name, t in (("attn", attn), ("gate", gate), ("up", up)):
         check_dtype(f"swiglu_cat {name}", t, FLOAT_DTYPES)
-        _row(name, t)
+        check_row(f"swiglu_cat: {name}", t)
     if not attn.dtype == gate.dtype == up.dtype:
         raise ValueError("swiglu_cat: attn, gate and up must share a dtype")
     if gate.shape != up.shape:
