@@ -52,7 +52,7 @@ class QuantizedPacked(Projections):
             self.w_out.append(self.quantize(torch.cat([a.o_proj.weight, m.down_proj.weight], 1)))
             del w_in
         self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
-        self.gate_up_interleaved = False  # see interleave_gate_up (Int8Packed)
+        self.plain_rows: torch.Tensor | None = None  # set by interleave_gate_up (Int8Packed)
 
     def check(self, cfg: Any) -> None:  # an optional hook: int8 fits any shape
         """Raise when the model's shapes do not fit the packing."""
@@ -85,7 +85,7 @@ class QuantizedPacked(Projections):
         return tensor_bytes(*(t for pair in self.w_in + self.w_out for t in pair))
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not self.gate_up_interleaved:
+        if self.plain_rows is None:  # gate and up rows in their plain order
             return tuple(self._linear(xn, self.w_in[i]).split(self.sizes, dim=-1))
         rows = xn.reshape(-1, xn.shape[-1])
         if rows.shape[0] > self.max_gemv_rows:  # prefill: the dequantised rows, plain order,
@@ -112,7 +112,9 @@ class QuantizedPacked(Projections):
 
 
 class Int8Packed(QuantizedPacked):
-    preload: bool = False  # see Int8Params.preload
+    def __init__(self, engine: Engine, pdl: bool, preload: bool = False):
+        super().__init__(engine, pdl)
+        self.preload = preload  # see Int8Params.preload
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from orchestrate.techniques.rumik.kernels.int8_gemv import quantize_int8
@@ -137,14 +139,13 @@ class Int8Packed(QuantizedPacked):
         fused input GEMV reads; qkvgu() then reads them back in that order. Idempotent."""
         from orchestrate.techniques.rumik.kernels.fused_gemv import interleave_gate_up
 
-        if self.gate_up_interleaved:
+        if self.plain_rows is not None:
             return
         start = sum(self.sizes[:3])
         self.w_in = [(interleave_gate_up(q, start), interleave_gate_up(s, start))
                      for q, s in self.w_in]  # fmt: skip
         order = interleave_gate_up(torch.arange(sum(self.sizes)), start)
         self.plain_rows = torch.argsort(order).to(self.w_in[0][0].device)  # its inverse
-        self.gate_up_interleaved = True
 
     def qkv_rope_act(
         self, i: int, xn: torch.Tensor, rope: Any, *, preload: bool = True
@@ -153,7 +154,7 @@ class Int8Packed(QuantizedPacked):
         row. `rope`: the caches, position and tables (fused_rope_norm.RopeArgs)."""
         from orchestrate.techniques.rumik.kernels.fused_gemv import int8_linear_rope_act
 
-        if not self.gate_up_interleaved:
+        if self.plain_rows is None:
             raise RuntimeError("qkv_rope_act reads (gate_j, up_j) pairs: interleave_gate_up first")
         return int8_linear_rope_act(
             xn.reshape(-1), *self.w_in[i], rope.position, rope.cos, rope.sin, rope.k_cache,
@@ -185,5 +186,4 @@ class Int8Projections(Technique):
 
     def apply(self, engine: Engine) -> None:
         p: Int8Params = self.params  # type: ignore[assignment]
-        engine.projections = projections = Int8Packed(engine, p.pdl)
-        projections.preload = p.preload
+        engine.projections = Int8Packed(engine, p.pdl, p.preload)
