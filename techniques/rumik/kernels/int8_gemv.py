@@ -179,9 +179,13 @@ def _dequant(w, MAGIC: tl.constexpr):
 def _fma(acc, w, x, MAGIC: tl.constexpr, REDUCE_EACH: tl.constexpr):
     """acc + w * x: element-wise into a [BLOCK_N, BLOCK_K] tile, or each chunk's row sums."""
     prod = _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
-    if REDUCE_EACH:
-        return acc + tl.sum(prod, axis=1)
-    return acc + prod
+    # one return, and a statement-if: the frontend builds the code after a constexpr-if's
+    # return as well, so the two shapes met in one expression
+    if REDUCE_EACH:  # noqa: SIM108
+        out = acc + tl.sum(prod, axis=1)
+    else:
+        out = acc + prod
+    return out
 
 
 @triton.jit
