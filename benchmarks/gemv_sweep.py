@@ -107,7 +107,7 @@ def main() -> None:
               f"{times[best] * 1e3:.2f} us ({frac:.0%} of copy {ceiling:.0f} GB/s)")  # fmt: skip
         for r in rows[:6]:
             print(f"  {r['us']:7.2f} us {r['of_copy']:5.0%} {r['config']}")
-    args.out.write_text(json.dumps(report, indent=2))
+        args.out.write_text(json.dumps(report, indent=2))  # after each shape: a cut call keeps it
 
 
 if __name__ == "__main__":
