@@ -640,6 +640,35 @@ def test_int8_preload_changes_no_logit(fused_case, monkeypatch) -> None:
         _teacher_forced(model, names, prompt, tokens[:2], int8_projections={"preload": True})
 
 
+def test_int8_gemv_configs_table_reaches_the_kernel(fused_case, monkeypatch) -> None:
+    """int8_projections' gemv_configs picks a table's config for every decode GEMV (here a
+    reduce_each one: the same logits up to the summation order); an unknown table is refused
+    when the stack is read, not at the first launch."""
+    from orchestrate.techniques.rumik.int8_projections import Int8Params
+
+    model, prompt, tokens, _ = fused_case
+    monkeypatch.setattr(gemv, "default_config", lambda n, k: gemv.GemvConfig(64, 128))
+    names = ["static_kv_cache", "int8_projections", "fused_rope_norm"]
+    plain = _teacher_forced(model, names, prompt, tokens[:4])
+
+    class EveryShape(dict):  # the tiny model's shapes are not the real ones
+        def get(self, key: object, default: object = None) -> gemv.GemvConfig:
+            return gemv.GemvConfig(64, 128, reduce_each=True)
+
+    monkeypatch.setitem(gemv.GEMV_TABLES, "s12", EveryShape())
+    seen: list[bool] = []
+    launch = gemv._launch_gemv
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl: seen.append(
+        cfg.reduce_each) or launch(x, q, s, o, cfg, pdl))  # fmt: skip
+    each = _teacher_forced(model, names, prompt, tokens[:4],
+                           int8_projections={"gemv_configs": "s12"})  # fmt: skip
+    assert seen and all(seen)
+    assert rel_err(each, plain) < 1e-4
+    assert CUDA or not torch.equal(each, plain)  # the interpreter shows the other roundings
+    with pytest.raises(ValueError, match="gemv_configs"):
+        Int8Params(gemv_configs="s99")
+
+
 def test_fused_rope_norm_refuses_unsupported() -> None:
     from orchestrate.api.technique import UnsupportedConfig
     from orchestrate.techniques.rumik.fused_rope_norm import check_supported

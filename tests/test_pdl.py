@@ -63,7 +63,7 @@ def test_kernel_parts_read_the_launch_option_at_call_time(tiny_model, monkeypatc
 
     seen: list[tuple[str, bool]] = []
 
-    def gemv(rows, q, scale, *, launch_pdl=False, preload=False):
+    def gemv(rows, q, scale, *, launch_pdl=False, **_):
         seen.append(("gemv", launch_pdl))
         return torch.zeros(rows.shape[0], q.shape[0], dtype=rows.dtype)
 

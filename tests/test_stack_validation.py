@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from orchestrate.api import registry
-from orchestrate.api.config import StackSpec, TechniqueRef
+from orchestrate.api.config import StackSpec, TechniqueRef, load_stack
 from orchestrate.api.registry import StackError, build_stack
 from orchestrate.api.technique import DeviceCaps, Technique
 
@@ -188,3 +189,15 @@ def test_a_technique_refusing_at_apply_is_recorded_refused_not_crashed(monkeypat
     stock, refused = result.results
     assert stock.status == "ok" and stock.utterances
     assert refused.status == "refused" and "head is tied" in (refused.error or "")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(str(p) for d in ("experiments", "benchmarks/stacks") for p in Path(d).glob("*.yaml")),
+)
+def test_every_shipped_stack_file_builds(path: str) -> None:
+    """Each stack file in the repo names known techniques with valid params in a valid order
+    (a benchmark stack is otherwise first read on the GPU host)."""
+    spec = load_stack(path)
+    built = sorted(t.name for t in build_stack(spec).techniques)
+    assert built == sorted(ref.name for ref in spec.techniques), path  # stock ones are empty

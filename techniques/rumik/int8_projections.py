@@ -10,7 +10,7 @@ rounded weights. Rounding changes the logits: fidelity and quality gates decide.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,11 @@ class Int8Params(TechniqueParams):
         False,
         description="Each decode GEMV program loads its first weight chunk before its PDL "
         "wait (a launch option; numerically the same GEMV).",
+    )
+    gemv_configs: Literal["shipped", "s12"] = Field(
+        "shipped",
+        description="Which measured table of GEMV launch configs the decode GEMVs use "
+        "(kernels/int8_gemv.GEMV_TABLES); a table's reduce_each changes the summation order.",
     )
 
 
@@ -112,9 +117,14 @@ class QuantizedPacked(Projections):
 
 
 class Int8Packed(QuantizedPacked):
-    def __init__(self, engine: Engine, pdl: bool, preload: bool = False):
+    def __init__(
+        self, engine: Engine, pdl: bool, preload: bool = False, gemv_configs: str = "shipped"
+    ):
+        from orchestrate.techniques.rumik.kernels.int8_gemv import GEMV_TABLES
+
         super().__init__(engine, pdl)
-        self.preload = preload  # see Int8Params.preload
+        self.preload = preload  # see Int8Params
+        self.gemv_table = GEMV_TABLES[gemv_configs]  # shapes absent: int8_linear's default
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from orchestrate.techniques.rumik.kernels.int8_gemv import quantize_int8
@@ -124,7 +134,9 @@ class Int8Packed(QuantizedPacked):
     def gemv(self, rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
-        return int8_linear(rows, q, scale, launch_pdl=self.launch_pdl, preload=self.preload)
+        config = self.gemv_table.get((q.shape[0], q.shape[1]))
+        return int8_linear(rows, q, scale, config=config, launch_pdl=self.launch_pdl,
+                           preload=self.preload)  # fmt: skip
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from orchestrate.techniques.rumik.kernels.int8_gemv import dequantize_int8
@@ -181,9 +193,10 @@ class Int8Projections(Technique):
     requires = ("cuda", "package:triton")
     after = ("static_kv_cache",)
     summary = "APPROXIMATE: int8 weight-only packed projections with a Triton GEMV."
-    version = 2  # 2: the `preload` param (off: version 1's launches)
+    # 2: the `preload` param; 3: `gemv_configs` (off and "shipped": version 1's launches)
+    version = 3
     Params = Int8Params
 
     def apply(self, engine: Engine) -> None:
         p: Int8Params = self.params  # type: ignore[assignment]
-        engine.projections = Int8Packed(engine, p.pdl, p.preload)
+        engine.projections = Int8Packed(engine, p.pdl, p.preload, p.gemv_configs)

@@ -85,7 +85,8 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load chunk i+1 before the FMAs of chunk i
     magic: bool = False  # int8 -> fp32 by float-bit arithmetic instead of I2F
-    # Session 11 candidates, not yet timed on the GPU (benchmarks/gemv_sweep.py --pdl):
+    # Session 11 candidates, timed in session 12 (h200/issue14-s12-gemv-sweep-pdl.json; with
+    # PDL, 25088 x 2048: 17.24 us plain, 16.34 reduce_each, 16.13 both; not yet in a step):
     preload: bool = False  # the first weight chunk in flight before the PDL wait
     reduce_each: bool = False  # a [BLOCK_N] accumulator: each chunk reduced at once, so the
     # registers of a [BLOCK_N, BLOCK_K] fp32 tile are free for wider chunks / more programs
@@ -134,6 +135,17 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (2048, 2048): GemvConfig(4, 1024, 4, magic=True),  # 3.6 us, launch-bound
     (11008, 2048): GemvConfig(16, 256, 4, magic=True),  # 9.4 us, 2.39 TB/s
     (2048, 11008): GemvConfig(8, 1024, 4, prefetch=True, magic=True),  # 10.2 us, 2.21 TB/s
+}
+
+# Candidate tables a stack can choose (int8_projections' `gemv_configs`), each a set of
+# measured winners that replace the shipped ones above for their shapes until an A/B inside a
+# decode step says which table ships.
+GEMV_TABLES: dict[str, dict[tuple[int, int], GemvConfig]] = {
+    "shipped": {},
+    # h200/issue14-s12-gemv-sweep-pdl.json (2026-12-02, with PDL, copy ceiling 4.17 TB/s):
+    # 16.34 us against the shipped 17.24 (reduce_each); the output shape's winner is the
+    # shipped one (reduce_each costs it 10.50 -> 12.66 us)
+    "s12": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
 }
 
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
