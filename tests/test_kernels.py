@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import math
 import os
 import re
@@ -23,6 +24,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import kernel_compile
 import pytest
 import torch
 from conftest import require_or_skip
@@ -71,10 +73,30 @@ with _interpreter(not CUDA and IN_PROCESS):
         g6 = importlib.import_module(_KERNELS + "int6_gemv")
 
 
+# Every interpreted launch of this file's tests, compiled for sm_90 by the last test
+# (kernel_compile.py says why).
+LAUNCHES: list[dict] = []
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_while_testing() -> Iterator[None]:
     with _interpreter(not CUDA):
-        yield
+        if CUDA or not IN_PROCESS:
+            yield
+            return
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+
+        def recording(self: object, *args: object, grid: object, warmup: bool, **kw: object):
+            LAUNCHES.append(kernel_compile.describe(self, args, kw))
+            return run(self, *args, grid=grid, warmup=warmup, **kw)
+
+        InterpretedFunction.run = recording  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            InterpretedFunction.run = run  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)
@@ -1005,3 +1027,25 @@ def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
         _same(caches[3][0, :, p], caches[1][0, :, p])
         _same(got["o2"], got["o"])
     assert torch.equal(caches[2][0, :, 1], torch.zeros_like(caches[2][0, :, 1]))  # untouched row
+
+
+# --------------------------------------------------------------------------- last: compiled
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="on a GPU host every test above ran compiled")
+def test_every_interpreted_launch_compiles_for_sm90(tmp_path: Path) -> None:
+    """The launches the tests above ran in the interpreter, lowered for the H200 (and again
+    with PDL on), plus int8_linear's shipped configs at the real decode shapes."""
+    if not LAUNCHES:
+        pytest.skip("kernels already run in this process")  # a -k selection without kernels
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(LAUNCHES))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(kernel_compile.__file__)), str(path)],
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, out[-6000:]
+    compiled = int(re.search(r"compiled (\d+) of", out)[1])  # type: ignore[index]
+    assert compiled >= 40, out[-2000:]
+    print(out[-300:])  # distinct launches: many kernels x configs
