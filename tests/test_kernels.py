@@ -1038,7 +1038,7 @@ def test_every_interpreted_launch_compiles_for_sm90(tmp_path: Path) -> None:
     """The launches the tests above ran in the interpreter, lowered for the H200 (and again
     with PDL on), plus int8_linear's shipped configs at the real decode shapes."""
     if not LAUNCHES:
-        pytest.skip("kernels already run in this process")  # a -k selection without kernels
+        pytest.skip("no kernel launched before this test (a -k selection)")
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(LAUNCHES))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

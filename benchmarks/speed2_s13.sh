@@ -1,0 +1,28 @@
+# Issue 14, the next session's device calls (from the repo root on the GPU host, after
+#   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
+#   bash benchmarks/speed2_s13.sh gemv   # int8 GPU tests; exp74-full against exp74-full-s12
+#                                        # (session 12's PDL sweep winners) and -preload
+#   bash benchmarks/speed2_s13.sh ov     # ov-best-packed against its max-autotune variant,
+#                                        # five seeds, the recipe as baseline; then profiles
+# The en20 headline continues separately (benchmarks/README.md, session 12).
+set -o pipefail
+case "$1" in
+gemv)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k int8 \
+        2>&1 | tee "$OUT/gpu-tests-int8.log" | grep -E "passed|failed|FAILED|Error" | tail -4
+    timeout 260 bash benchmarks/gpu_run.sh issue14-s13-gemv --baseline exp74-full \
+        --stack benchmarks/stacks/exp74-full-s12.yaml \
+        --stack benchmarks/stacks/exp74-full-preload.yaml --model rumik-oss-1 --device cuda \
+        --workload gpu-headline --fidelity-steps 64 2>&1 | grep -v "^│" | tail -12
+    rm -rf "$OUT/issue14-s13-gemv"
+    timeout 150 python3 benchmarks/profile_step.py --frames 40 \
+        --out "$OUT/issue14-s13-profile.json" \
+        --stacks exp74-full benchmarks/stacks/exp74-full-s12.yaml 2>&1 | grep -v "^  " ;;
+ov)
+    timeout 420 bash benchmarks/gpu_run.sh issue14-s13-ov --baseline ov-recipe \
+        --stack ov-best-packed --stack benchmarks/stacks/ov-best-packed-autotune.yaml \
+        --model omnivoice --device cuda --workload ov-tput-seeds --fidelity-steps 0 2>&1 \
+        | grep -v "^│" | tail -10
+    rm -rf "$OUT/issue14-s13-ov" ;;
+*) echo "usage: speed2_s13.sh gemv|ov" >&2; exit 2 ;;
+esac
