@@ -2,8 +2,9 @@
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
 #   bash benchmarks/speed2_s13.sh gemv   # int8 GPU tests; exp74-full against exp74-full-s12
 #                                        # (session 12's PDL sweep winners) and -preload
-#   bash benchmarks/speed2_s13.sh ov     # ov-best-packed against its max-autotune variant,
-#                                        # five seeds, the recipe as baseline; then profiles
+#   bash benchmarks/speed2_s13.sh ov     # GPU tests of the fused q/k norm + rotary; then
+#                                        # ov-best-packed against its fused-q/k and
+#                                        # max-autotune variants, five seeds, recipe baseline
 # The en20 headline continues separately (benchmarks/README.md, session 12).
 set -o pipefail
 case "$1" in
@@ -19,10 +20,13 @@ gemv)
         --out "$OUT/issue14-s13-profile.json" \
         --stacks exp74-full benchmarks/stacks/exp74-full-s12.yaml 2>&1 | grep -v "^  " ;;
 ov)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+        tests/test_omnivoice.py -k "qk_norm_rope" 2>&1 | tee "$OUT/gpu-tests-ov.log" \
+        | grep -E "passed|failed|FAILED|Error" | tail -4
     timeout 420 bash benchmarks/gpu_run.sh issue14-s13-ov --baseline ov-recipe \
-        --stack ov-best-packed --stack benchmarks/stacks/ov-best-packed-autotune.yaml \
-        --model omnivoice --device cuda --workload ov-tput-seeds --fidelity-steps 0 2>&1 \
-        | grep -v "^│" | tail -10
+        --stack ov-best-packed --stack benchmarks/stacks/ov-best-packed-fused.yaml \
+        --stack benchmarks/stacks/ov-best-packed-autotune.yaml --model omnivoice \
+        --device cuda --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10
     rm -rf "$OUT/issue14-s13-ov" ;;
 *) echo "usage: speed2_s13.sh gemv|ov" >&2; exit 2 ;;
 esac

@@ -45,7 +45,8 @@ def describe(fn: Any, args: tuple, kwargs: dict) -> dict:
     for name, param in sig.parameters.items():
         value = bound.arguments[name]
         if "constexpr" in str(param.annotation) or value is None:
-            constexprs[name] = value
+            # a tl.dtype (a kernel's output dtype) travels as its name
+            constexprs[name] = {"tl.dtype": str(value)} if _is_tl_dtype(value) else value
         elif isinstance(value, torch.Tensor):
             types[name] = "*" + _TYPES[value.dtype]
         elif isinstance(value, bool):
@@ -61,16 +62,24 @@ def describe(fn: Any, args: tuple, kwargs: dict) -> dict:
             "types": types, "constexprs": constexprs, "options": options}  # fmt: skip
 
 
+def _is_tl_dtype(value: object) -> bool:
+    import triton.language as tl
+
+    return isinstance(value, tl.dtype)
+
+
 def compile_launch(launch: dict) -> None:
     """Lower one described launch to a cubin for TARGET; raises what the compiler raises."""
     import importlib
 
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    consts = launch["constexprs"]
+    consts = {k: tl.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
+              for k, v in launch["constexprs"].items()}  # fmt: skip
     signature = {p: "constexpr" if p in consts else launch["types"][p] for p in launch["params"]}
     src = ASTSource(fn, signature, consts)
     triton.compile(src, target=GPUTarget(*TARGET), options=launch["options"])

@@ -53,8 +53,8 @@ def _interpreter(on: bool) -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = old
 
 
-def _load(name: str) -> object:
-    full = _KERNELS + name
+def _load(name: str, package: str = _KERNELS) -> object:
+    full = package + name
     if full in sys.modules and not CUDA:
         return importlib.reload(sys.modules[full])  # re-decorate as interpreted kernels
     return importlib.import_module(full)
@@ -67,6 +67,7 @@ with _interpreter(not CUDA and IN_PROCESS):
         ep, gemv, attn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue", "int8_gemv",
             "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu",
             "fused_gemv"))  # fmt: skip
+        qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
         ep = importlib.import_module(_KERNELS + "epilogue")
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
@@ -1027,6 +1028,109 @@ def test_gpu_fused_gemvs_real_shapes_in_graph_with_pdl() -> None:
         _same(caches[3][0, :, p], caches[1][0, :, p])
         _same(got["o2"], got["o"])
     assert torch.equal(caches[2][0, :, 1], torch.zeros_like(caches[2][0, :, 1]))  # untouched row
+
+
+# --------------------------------------------------------------------------- OmniVoice q/k
+
+
+def _qkv_case(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype, cos_b: int):
+    extra = 3  # columns past q|k|v: the kernel must read by stride, not assume packing
+    qkv = randn(b, s, (hq + 2 * hkv) * d + extra, dtype=dtype)[..., : (hq + 2 * hkv) * d]
+    qw, kw = (randn(d, dtype=dtype) for _ in range(2))
+    ang = torch.rand(cos_b, s, d // 2, device=DEVICE) * 6.0
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype).contiguous()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype).contiguous()
+    return qkv, qw, kw, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("b", "s", "hq", "hkv", "d", "cos_b"),
+    [(2, 5, 4, 2, 16, 1), (2, 3, 3, 1, 8, 2), (1, 7, 2, 2, 12, 1)],
+)
+def test_qk_norm_rope_matches_qwen3(dtype, b, s, hq, hkv, d, cos_b) -> None:
+    """Per-head RMSNorm + rotate-half rotary of q and k, written [B, H, S, D]: transformers'
+    Qwen3 path (q_norm/k_norm, transpose, apply_rotary_pos_emb); heads and half-dims that are
+    not powers of two, a cos table per batch row or shared, qkv a strided view."""
+    case = _qkv_case(b, s, hq, hkv, d, dtype, cos_b)
+    q, k = qkr.qk_norm_rope(*case, 1e-6, hq, hkv)
+    rq, rk = qkr.qk_norm_rope_ref(*case, 1e-6, hq, hkv)
+    assert q.shape == (b, hq, s, d) and k.shape == (b, hkv, s, d) and q.is_contiguous()
+    assert rel_err(q, rq) < tol(dtype) and rel_err(k, rk) < tol(dtype)
+    if dtype == torch.float32:
+        assert (q - rq).abs().max() < 1e-5 and (k - rk).abs().max() < 1e-5
+
+
+def test_qk_norm_rope_uses_each_norm_weight_and_eps() -> None:
+    """A kernel that swapped the q and k weights, or ignored eps, fails this."""
+    qkv, qw, kw, cos, sin = _qkv_case(1, 4, 2, 2, 8, torch.float32, 1)
+    qkv = qkv * 1e-3  # tiny rows: eps matters
+    q, k = qkr.qk_norm_rope(qkv, qw, kw * 3.0, cos, sin, 1e-5, 2, 2)
+    rq, rk = qkr.qk_norm_rope_ref(qkv, qw, kw * 3.0, cos, sin, 1e-5, 2, 2)
+    assert rel_err(q, rq) < 1e-5 and rel_err(k, rk) < 1e-5
+    q0, _ = qkr.qk_norm_rope(qkv, qw, kw, cos, sin, 1e-2, 2, 2)
+    assert rel_err(q0, rq) > 1e-2  # a different eps gives a different result
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"d": 7}, "even"),
+        ({"hq": 40}, "do not fit"),
+        ({"cos_s": 3}, "cos must be contiguous"),
+        ({"weight_dtype": torch.bfloat16}, "norm weights must be"),
+    ],
+)
+def test_qk_norm_rope_refuses_what_it_would_read_wrongly(change: dict, match: str) -> None:
+    d = change.get("d", 8)
+    qkv, qw, kw, cos, sin = _qkv_case(1, 4, 2, 1, 8, torch.float32, 1)
+    if "d" in change:
+        qw = kw = randn(d)
+    if "cos_s" in change:
+        cos = sin = cos[:, : change["cos_s"]].contiguous()
+    if "weight_dtype" in change:
+        qw = qw.to(change["weight_dtype"])
+    with pytest.raises(ValueError, match=match):
+        qkr.qk_norm_rope(qkv, qw, kw, cos, sin, 1e-6, change.get("hq", 2), 1)
+
+
+def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
+    """ov_packed_projections' forward with the kernel in place of q_norm/k_norm + rotary, on
+    the tiny OmniVoice in fp32 (the interpreter): the same hidden states as the modules'
+    path, so the kernel is wired to the right columns, heads, tables and eps."""
+    from orchestrate.api.config import ModelSpec
+    from orchestrate.api.registry import get_family
+    from orchestrate.techniques.omnivoice.packed_projections import PackedBackbone
+
+    model = get_family("omnivoice").build_model(ModelSpec(family="omnivoice", preset="tiny"))
+    llm = model.ov.llm
+    torch.manual_seed(0)
+    with torch.no_grad():  # random init leaves the norms at 1: make q's and k's differ
+        for layer in llm.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    embeds = torch.randn(2, 11, llm.config.hidden_size)
+    mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+    mask[1, :, :, 8:] = False
+    with torch.inference_mode():
+        want = PackedBackbone(llm)(embeds, mask)
+        got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
+    assert rel_err(got, want) < 1e-5
+
+
+@gpu
+def test_qk_norm_rope_op_inside_torch_compile() -> None:
+    """The triton_op traced into a compiled graph gives the eager launch's result (bf16, the
+    real head shape), and the eager Qwen3 path's within rounding."""
+    case = _qkv_case(2, 37, 16, 8, 128, torch.bfloat16, 1)
+    op = qkr.qk_norm_rope_op()
+    compiled = torch.compile(lambda *a: op(*a, 1e-6, 16, 8), dynamic=False)
+    got = compiled(*case)
+    eager = qkr.qk_norm_rope(*case, 1e-6, 16, 8)
+    ref = qkr.qk_norm_rope_ref(*case, 1e-6, 16, 8)
+    for g, e, r in zip(got, eager, ref, strict=True):
+        assert torch.equal(g, e)
+        assert rel_err(g, r) < 1e-2
 
 
 # --------------------------------------------------------------------------- last: compiled

@@ -242,6 +242,76 @@ def test_packed_projections_forward_and_codes_equal_stocks(family, model):
     assert torch.equal(codes(eng)[0], codes(stock_engine(model))[0])
 
 
+def test_fused_qk_norm_rope_is_refused_on_cpu(family, model):
+    from orchestrate.api.technique import Refused
+
+    fused = {"name": "ov_packed_projections", "params": {"fused_qk_norm_rope": True}}
+    with pytest.raises(Refused, match="needs CUDA and triton"):
+        engine_for(family, model, fused)
+
+
+def test_fused_qk_norm_rope_op_traces_without_a_gpu():
+    """What torch.compile sees of the triton_op: its fake version gives [B, H, S, D] q and k
+    for CUDA inputs, with no GPU (the launch is skipped under fake tensors)."""
+    import importlib
+    import os
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    from orchestrate.techniques.omnivoice.kernels import qk_norm_rope as qkr
+
+    if not isinstance(qkr._qk_norm_rope_kernel, JITFunction):  # interpreted by test_kernels
+        old = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            qkr = importlib.reload(qkr)
+        finally:
+            if old is not None:
+                os.environ["TRITON_INTERPRET"] = old
+    op = qkr.qk_norm_rope_op()
+    with FakeTensorMode():
+        qkv = torch.empty(2, 37, 32 * 128, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(128, dtype=torch.bfloat16, device="cuda")
+        cos = torch.empty(1, 37, 128, dtype=torch.bfloat16, device="cuda")
+        q, k = op(qkv, w, w, cos, cos, 1e-6, 16, 8)
+        assert q.shape == (2, 16, 37, 128) and k.shape == (2, 8, 37, 128)
+        assert q.dtype == torch.bfloat16 and q.is_contiguous()
+        with pytest.raises(ValueError, match="do not fit"):
+            op(qkv, w, w, cos, cos, 1e-6, 32, 8)
+
+
+@pytest.mark.gpu
+def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
+    """bf16 on the GPU, eager and compiled: the packed forward with the fused q/k norm +
+    rotary kernel within rounding of the packed forward through the modules, and one launch
+    a layer where the modules' path runs several."""
+    from orchestrate.api.device import count_launches
+    from orchestrate.families.omnivoice.engine import build_cfg_batch
+
+    family = get_family("omnivoice")
+    model = family.build_model(
+        ModelSpec(family="omnivoice", preset="tiny", device="cuda", dtype="bfloat16")
+    )
+    caps = DeviceCaps.probe("cuda")
+    fused = {"name": "ov_packed_projections", "params": {"fused_qk_norm_rope": True}}
+    plain = engine_for(family, model, {"name": "ov_packed_projections"}, caps=caps)
+    eng = engine_for(family, model, fused, caps=caps)
+    task = model.ov._preprocess_all(text=[TEXT])
+    batch = build_cfg_batch(plain, task, plain.config())
+    args = (batch.input_ids, batch.audio_mask, batch.attention_mask)
+    with torch.inference_mode():
+        want, got = plain.forward(*args).float(), eng.forward(*args).float()
+        kernels = {
+            name: count_launches(lambda e=e: e.forward(*args), torch.device("cuda"))["kernels"]
+            for name, e in (("fused", eng), ("plain", plain))
+        }
+        compiled = torch.compile(eng.forward, dynamic=False)(*args).float()
+    assert float((got - want).abs().max() / want.std()) < 2e-2
+    assert float((compiled - got).abs().max() / got.std()) < 2e-2
+    layers = model.ov.llm.config.num_hidden_layers
+    assert kernels["plain"] - kernels["fused"] >= 2 * layers, kernels
+
+
 def test_packed_projections_fill_the_forward_before_compile():
     for order in (
         ["torch_compile", "ov_packed_projections"],

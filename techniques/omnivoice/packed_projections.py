@@ -17,15 +17,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
-from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Refused, Technique, TechniqueParams
 from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
+
+
+class PackedParams(TechniqueParams):
+    fused_qk_norm_rope: bool = Field(
+        False,
+        description="q/k RMSNorm + rotary in one Triton kernel per layer, writing attention's "
+        "[B, H, S, D] layout (kernels/qk_norm_rope.py; CUDA only, refused elsewhere).",
+    )
 
 
 class PackedBackbone:
     """Qwen3Model's forward (no cache) with packed input projections."""
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, qk_norm_rope: Any = None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -47,6 +56,7 @@ class PackedBackbone:
         a0 = llm.layers[0].self_attn
         self.qkv_sizes = [a0.q_proj.out_features, a0.k_proj.out_features, a0.v_proj.out_features]
         self.intermediate = llm.layers[0].mlp.gate_proj.out_features
+        self.qk_norm_rope = qk_norm_rope  # the fused kernel's op, or None: the modules' path
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.qkv, *self.gate_up))
@@ -73,11 +83,17 @@ class PackedBackbone:
 
         a = layer.self_attn
         shape = (*xn.shape[:-1], -1, a.head_dim)
-        q, k, v = F.linear(xn, self.qkv[i]).split(self.qkv_sizes, dim=-1)
-        q = a.q_norm(q.view(shape)).transpose(1, 2)
-        k = a.k_norm(k.view(shape)).transpose(1, 2)
+        qkv = F.linear(xn, self.qkv[i])
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        if self.qk_norm_rope is not None:
+            hq, hkv = (size // a.head_dim for size in self.qkv_sizes[:2])
+            q, k = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
+                                     a.q_norm.variance_epsilon, hq, hkv)  # fmt: skip
+        else:
+            q = a.q_norm(q.view(shape)).transpose(1, 2)
+            k = a.k_norm(k.view(shape)).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, *cos_sin)
         out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, sliding_window=None)
         return a.o_proj(out.reshape(*xn.shape[:-1], -1).contiguous())
 
@@ -100,7 +116,8 @@ class PackedProjections(Technique):
     exact = True
     slots = ("forward",)
     summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
-    Params = TechniqueParams
+    version = 2  # 2: the fused_qk_norm_rope param (off: version 1's forward)
+    Params = PackedParams
 
     @classmethod
     def check_stack(cls, params: TechniqueParams, earlier: dict[str, TechniqueParams]):
@@ -108,4 +125,19 @@ class PackedProjections(Technique):
 
     def apply(self, engine: Any) -> None:
         ov = engine.model.ov
-        engine.forward = packed_forward(ov, PackedBackbone(ov.llm))
+        op = fused_qk_norm_rope(ov.llm) if self.params.fused_qk_norm_rope else None
+        engine.forward = packed_forward(ov, PackedBackbone(ov.llm, op))
+
+
+def fused_qk_norm_rope(llm: Any) -> Any:
+    """The fused kernel's torch op for this backbone, or Refused with the reason."""
+    import importlib.util
+
+    a = llm.layers[0].self_attn
+    if llm.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        raise Refused(f"fused_qk_norm_rope needs CUDA and triton (the model is on {llm.device})")
+    if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
+        raise Refused("fused_qk_norm_rope: the q and k norms have different eps")
+    from orchestrate.techniques.omnivoice.kernels.qk_norm_rope import qk_norm_rope_op
+
+    return qk_norm_rope_op()

@@ -1,0 +1,1 @@
+"""Triton kernels of the OmniVoice techniques (each beside its torch reference)."""

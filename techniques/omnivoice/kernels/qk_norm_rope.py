@@ -1,0 +1,221 @@
+"""Qwen3's per-head q/k RMSNorm and rotary in one launch, from the packed q|k|v projection.
+
+Contract
+--------
+`qk_norm_rope(qkv[B, S, N], q_weight[D], k_weight[D], cos[Bc, S, D], sin, eps, hq, hkv)
+-> (q[B, hq, S, D], k[B, hkv, S, D])`, both contiguous, in qkv's dtype:
+- q = rotary(rmsnorm(qkv[..., :hq*D] as heads)), k the same from the next hkv*D columns
+  (v, after them, is not read). qkv's last dim must be contiguous; N >= (hq + hkv) * D.
+- rmsnorm is Qwen3RMSNorm: fp32 mean of squares, x * rsqrt(mean + eps) rounded to the input
+  dtype, times the weight (rounded again). rotary is transformers' `apply_rotary_pos_emb`
+  (rotate_half: out[:D/2] = y1 cos1 - y2 sin1, out[D/2:] = y2 cos2 + y1 sin2), each product
+  and the sum rounded to the input dtype as eager bf16 arithmetic rounds them: for a bf16
+  model the result is eager's up to the fp32 summation order of the mean (the interpreter
+  also truncates where the GPU rounds to nearest).
+- cos/sin: the rotary embedding's [Bc, S, D] tables in the input dtype; Bc is 1 or B.
+- D even, <= 256; hq, hkv <= 64. No host synchronisation (CUDA-graph safe).
+
+Why
+---
+ov_packed_projections leaves this to inductor, which fuses it into a reduction kernel of
+5.8 us a layer reading strided columns of the packed output (session 11's profile,
+h200/issue14-s11-ov-packed-profile.json), then SDPA's layout copies. Here one program per
+token reads its q and k heads once and writes them in the [B, H, S, D] layout attention reads.
+`qk_norm_rope_op` is the same launch as a torch.library triton_op, so torch.compile keeps it
+inside its graph instead of breaking the graph around an opaque call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEADS = 64
+MAX_HEAD_DIM = 256
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """x rounded to the model dtype and back: eager arithmetic's rounding after each op."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _heads(
+    row_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, s, S, eps,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, HALF_PAD)
+    mask = (offs_h < H)[:, None] & (offs_d < HALF)[None, :]
+    lo = offs_h[:, None] * D + offs_d[None, :]
+    x1 = tl.load(row_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    d_mask = offs_d < HALF
+    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    y1 = _round(w1[None, :] * _round(x1 * inv[:, None], DTYPE), DTYPE)
+    y2 = _round(w2[None, :] * _round(x2 * inv[:, None], DTYPE), DTYPE)
+    c1 = tl.load(cos_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    o1 = _round(y1 * c1, DTYPE) + _round(-y2 * s1, DTYPE)
+    o2 = _round(y2 * c2, DTYPE) + _round(y1 * s2, DTYPE)
+    # out[b, h, s, :]: out_ptr points at [b, 0, 0, 0]
+    dst = out_ptr + (offs_h[:, None] * S + s) * D + offs_d[None, :]
+    tl.store(dst, o1.to(DTYPE), mask=mask)
+    tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+    S, stride_qkv_b, stride_qkv_s, stride_cos_b, eps,
+    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) // S
+    s = tl.program_id(0) % S
+    row = qkv_ptr + b.to(tl.int64) * stride_qkv_b + s.to(tl.int64) * stride_qkv_s
+    table = b.to(tl.int64) * stride_cos_b + s * D
+    q_out = q_ptr + b.to(tl.int64) * HQ * S * D
+    k_out = k_ptr + b.to(tl.int64) * HKV * S * D
+    _heads(row, q_out, qw_ptr, cos_ptr + table, sin_ptr + table, s, S, eps,
+           HQ, HQ_PAD, D, HALF, HALF_PAD, DTYPE)  # fmt: skip
+    _heads(row + HQ * D, k_out, kw_ptr, cos_ptr + table, sin_ptr + table, s, S, eps,
+           HKV, HKV_PAD, D, HALF, HALF_PAD, DTYPE)  # fmt: skip
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int) -> int:
+    """Raise on anything the kernel would read wrongly; returns the head dim."""
+    d = q_weight.numel()
+    if qkv.dim() != 3 or qkv.stride(-1) != 1:
+        raise ValueError(f"qk_norm_rope: qkv must be [B, S, N] with a contiguous last dim, "
+                         f"got {tuple(qkv.shape)}")  # fmt: skip
+    if qkv.dtype not in DTYPES:
+        raise ValueError(f"qk_norm_rope: qkv dtype must be one of {DTYPES}, got {qkv.dtype}")
+    if q_weight.dtype != qkv.dtype or k_weight.dtype != qkv.dtype:  # eager would upcast
+        raise ValueError(f"qk_norm_rope: norm weights must be {qkv.dtype}, got "
+                         f"{q_weight.dtype} and {k_weight.dtype}")  # fmt: skip
+    if d % 2 or d > MAX_HEAD_DIM or k_weight.numel() != d:
+        raise ValueError(f"qk_norm_rope: head dim {d} (k weight {k_weight.numel()}) must be "
+                         f"even, equal, <= {MAX_HEAD_DIM}")  # fmt: skip
+    if not (0 < hq <= MAX_HEADS and 0 < hkv <= MAX_HEADS) or qkv.shape[-1] < (hq + hkv) * d:
+        raise ValueError(f"qk_norm_rope: {hq} q + {hkv} kv heads of {d} do not fit "
+                         f"{qkv.shape[-1]} columns (at most {MAX_HEADS} heads each)")  # fmt: skip
+    b, s = qkv.shape[:2]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape[0] not in (1, b) or tuple(t.shape[1:]) != (s, d) or not t.is_contiguous():
+            raise ValueError(f"qk_norm_rope: {name} must be contiguous [1 or {b}, {s}, {d}], "
+                             f"got {tuple(t.shape)}")  # fmt: skip
+    if cos.shape != sin.shape:
+        raise ValueError("qk_norm_rope: cos and sin differ in shape")
+    tensors = (qkv, q_weight, k_weight, cos, sin)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("qk_norm_rope: tensors on different devices")
+    if qkv.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"qk_norm_rope: needs CUDA (or TRITON_INTERPRET=1), got {qkv.device}")
+    return d
+
+
+def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv: int):
+    d = _check(qkv, q_weight, k_weight, cos, sin, hq, hkv)
+    b, s = qkv.shape[:2]
+    q = torch.empty((b, hq, s, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((b, hkv, s, d), dtype=qkv.dtype, device=qkv.device)
+    if b * s == 0:
+        return q, k
+    half = d // 2
+    kernel[(b * s,)](
+        qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q, k,
+        s, qkv.stride(0), qkv.stride(1), 0 if cos.shape[0] == 1 else cos.stride(0), eps,
+        HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HKV=hkv, HKV_PAD=triton.next_power_of_2(hkv),
+        D=d, HALF=half, HALF_PAD=triton.next_power_of_2(half), DTYPE=_TL[qkv.dtype],
+        num_warps=4,
+    )  # fmt: skip
+    return q, k
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract above, as a plain launch (eager code and the interpreter)."""
+    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv)
+
+
+def qk_norm_rope_ref(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Qwen3 path: q_norm/k_norm per head, transpose, apply_rotary_pos_emb."""
+    d = q_weight.numel()
+    b, s = qkv.shape[:2]
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+
+    q = norm(qkv[..., : hq * d].reshape(b, s, hq, d), q_weight).transpose(1, 2)
+    k = norm(qkv[..., hq * d : (hq + hkv) * d].reshape(b, s, hkv, d), k_weight).transpose(1, 2)
+    c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * c) + (rotate_half(q) * sn), (k * c) + (rotate_half(k) * sn)
+
+
+_OP = None
+
+
+def qk_norm_rope_op():
+    """The launch as `torch.ops.orchestrate.ov_qk_norm_rope`, registered on first use: a
+    torch.library triton_op, which torch.compile traces into its graph (its fake version, for
+    shapes, is the same function with the launch skipped)."""
+    global _OP
+    if _OP is None:
+        from torch.library import triton_op, wrap_triton
+
+        @triton_op("orchestrate::ov_qk_norm_rope", mutates_args=())
+        def ov_qk_norm_rope(
+            qkv: torch.Tensor,
+            q_weight: torch.Tensor,
+            k_weight: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            eps: float,
+            hq: int,
+            hkv: int,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return _launch(wrap_triton(_qk_norm_rope_kernel), qkv, q_weight, k_weight, cos,
+                           sin, eps, hq, hkv)  # fmt: skip
+
+        _OP = ov_qk_norm_rope
+    return _OP
