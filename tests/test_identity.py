@@ -125,5 +125,14 @@ def test_code_state_hashes_tracked_and_untracked_changes(tmp_path, monkeypatch):
 
 
 def test_code_sha_from_the_environment_leaves_the_diff_unknown(monkeypatch):
-    monkeypatch.setenv("ORCHESTRATE_CODE_SHA", "feed")
-    assert code_state() == CodeState("feed", None, None)
+    full = "feed" * 10
+    monkeypatch.setenv("ORCHESTRATE_CODE_SHA", full)
+    assert code_state() == CodeState(full, None, None)
+
+
+@pytest.mark.parametrize("bad", ["6bf064e", "FEED" * 10, "feed" * 10 + "\n", "HEAD"])
+def test_a_short_or_malformed_code_sha_is_refused(monkeypatch, bad):
+    """A short SHA got into session 12's records; a resume must present the same string."""
+    monkeypatch.setenv("ORCHESTRATE_CODE_SHA", bad)
+    with pytest.raises(ValueError, match="full 40-character commit SHA"):
+        code_state()

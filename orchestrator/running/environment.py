@@ -7,6 +7,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -43,11 +44,18 @@ def code_state(with_diff: bool = True) -> CodeState:
     """The commit plus, with `with_diff`, a hash of `git diff HEAD` (tracked files) and of
     the names and contents of untracked files git does not ignore: an uncommitted edit to a
     technique is a different experiment from the commit's code."""
-    if os.environ.get("ORCHESTRATE_CODE_SHA"):
+    if sha := os.environ.get("ORCHESTRATE_CODE_SHA"):
         # A copied tree has no .git of its own (or sits in an unrelated checkout), so what
         # differs from that commit cannot be read: dirty and the diff hash are unknown (None)
-        # and the identity rests on the SHA and the techniques' source hashes.
-        return CodeState(os.environ["ORCHESTRATE_CODE_SHA"], None, None)
+        # and the identity rests on the SHA and the techniques' source hashes. The full SHA
+        # only: a short one is ambiguous in the records and differs from what a resume or
+        # another host presents for the same commit.
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):
+            raise ValueError(
+                f"ORCHESTRATE_CODE_SHA must be a full 40-character commit SHA "
+                f"(git rev-parse HEAD), got {sha!r}"
+            )
+        return CodeState(sha, None, None)
     try:
         sha = _git("rev-parse", "HEAD").decode().strip()
         if not with_diff:
