@@ -57,6 +57,7 @@ class PackedBackbone:
         self.qkv_sizes = [a0.q_proj.out_features, a0.k_proj.out_features, a0.v_proj.out_features]
         self.intermediate = llm.layers[0].mlp.gate_proj.out_features
         self.qk_norm_rope = qk_norm_rope  # the fused kernel's op, or None: the modules' path
+        self.heads = (self.qkv_sizes[0] // a0.head_dim, self.qkv_sizes[1] // a0.head_dim)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.qkv, *self.gate_up))
@@ -87,9 +88,8 @@ class PackedBackbone:
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(shape).transpose(1, 2)
         if self.qk_norm_rope is not None:
-            hq, hkv = (size // a.head_dim for size in self.qkv_sizes[:2])
             q, k = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
-                                     a.q_norm.variance_epsilon, hq, hkv)  # fmt: skip
+                                     a.q_norm.variance_epsilon, *self.heads)  # fmt: skip
         else:
             q = a.q_norm(q.view(shape)).transpose(1, 2)
             k = a.k_norm(k.view(shape)).transpose(1, 2)
