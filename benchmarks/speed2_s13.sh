@@ -5,25 +5,25 @@
 #   bash benchmarks/speed2_s13.sh ov     # GPU tests of the fused q/k norm + rotary; then
 #                                        # ov-best-packed against its fused-q/k and
 #                                        # max-autotune variants, five seeds, recipe baseline
-# The en20 headline continues separately (benchmarks/README.md, session 12).
+# Each fits in 500 s, so it can run beside the en20 headline (benchmarks/two_gpus.sh).
 set -o pipefail
 case "$1" in
 gemv)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k int8 \
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k int8 \
         2>&1 | tee "$OUT/gpu-tests-int8.log" | grep -E "passed|failed|FAILED|Error" | tail -4
-    timeout 260 bash benchmarks/gpu_run.sh issue14-s13-gemv --baseline exp74-full \
+    timeout 250 bash benchmarks/gpu_run.sh issue14-s13-gemv --baseline exp74-full \
         --stack benchmarks/stacks/exp74-full-s12.yaml \
         --stack benchmarks/stacks/exp74-full-preload.yaml --model rumik-oss-1 --device cuda \
         --workload gpu-headline --fidelity-steps 64 2>&1 | grep -v "^│" | tail -12
     rm -rf "$OUT/issue14-s13-gemv"
-    timeout 150 python3 benchmarks/profile_step.py --frames 40 \
+    timeout 130 python3 benchmarks/profile_step.py --frames 40 \
         --out "$OUT/issue14-s13-profile.json" \
         --stacks exp74-full benchmarks/stacks/exp74-full-s12.yaml 2>&1 | grep -v "^  " ;;
 ov)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
         tests/test_omnivoice.py -k "qk_norm_rope" 2>&1 | tee "$OUT/gpu-tests-ov.log" \
         | grep -E "passed|failed|FAILED|Error" | tail -4
-    timeout 420 bash benchmarks/gpu_run.sh issue14-s13-ov --baseline ov-recipe \
+    timeout 360 bash benchmarks/gpu_run.sh issue14-s13-ov --baseline ov-recipe \
         --stack ov-best-packed --stack benchmarks/stacks/ov-best-packed-fused.yaml \
         --stack benchmarks/stacks/ov-best-packed-autotune.yaml --model omnivoice \
         --device cuda --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10

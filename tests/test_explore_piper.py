@@ -112,7 +112,11 @@ def test_explore_on_piper_rejects_a_faster_stack_on_real_quality(tmp_path: Path)
         if c["decision"] == "accept":
             assert row["champion"]["name"] == c["stack_name"]
     with Store(url) as store:
-        ledger = {f["stack_name"]: f for f in store.list_failures()}
-        assert all(ledger[c["stack_name"]]["cause"] == "gate" for c in retained)
+        # A gate rejection is ledgered as `gate`; the same decision may ledger more causes
+        # beside it (a noisy holdout run adds `slower`), each its own row.
+        ledger: dict[str, set[str]] = {}
+        for f in store.list_failures():
+            ledger.setdefault(f["stack_name"], set()).add(f["cause"])
+        assert all("gate" in ledger.get(c["stack_name"], set()) for c in retained), ledger
         audits = store.list_holdout_audits("pipx")
         assert sorted(a["stack_name"] for a in audits) == sorted(c["stack_name"] for c in gated)
