@@ -3,6 +3,8 @@
 # root on the GPU host, after
 #   export ORCHESTRATE_CODE_SHA=<this checkout's sha>; source benchmarks/device_setup.sh
 #   bash benchmarks/two_gpus.sh <en20's sha> -- <command for GPU 1>
+# With no command after `--` (a one-GPU host, kind nvidia-h200), en20 runs alone on GPU 0 with
+# every core, and still carries its compile caches from call to call.
 # Carried in .en20/: code.tgz (`git archive <en20's sha> | gzip`), en20-state.tgz (the last
 # call's) and, if there is one, en20-cache.tgz (its Inductor and Triton caches).
 # The en20 commit is installed apart, in /tmp/en20site (not editable), and its job runs from its
@@ -16,6 +18,7 @@ en20_sha=$1; shift
 [ "$1" = "--" ] && shift
 root=$PWD
 half=$(( $(nproc) / 2 ))
+[ $# -eq 0 ] && half=$(nproc)  # en20 alone: all cores are its own
 pin() { if command -v taskset > /dev/null; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi; }
 mkdir -p /tmp/out-en20 /tmp/out-gpu1 /tmp/c20
 rm -rf /tmp/en20site && tar xzf .en20/code.tgz -C /tmp/c20 || exit 1
@@ -38,17 +41,20 @@ print('en20 code:', c.REPO_ROOT)" || exit 1
     EN20_BUDGET_S=${EN20_BUDGET_S:-520} pin "0-$((half - 1))" bash benchmarks/en20_headline.sh
 ) > /tmp/out-en20/console.log 2>&1 &
 en20=$!
-(
-    export CUDA_VISIBLE_DEVICES=1 OUT=/tmp/out-gpu1
-    pin "$half-$((2 * half - 1))" timeout "${GPU1_BUDGET_S:-530}" "$@"
-) > /tmp/out-gpu1/console.log 2>&1 &
-gpu1=$!
+if [ $# -gt 0 ]; then
+    (
+        export CUDA_VISIBLE_DEVICES=1 OUT=/tmp/out-gpu1
+        pin "$half-$((2 * half - 1))" timeout "${GPU1_BUDGET_S:-530}" "$@"
+    ) > /tmp/out-gpu1/console.log 2>&1 &
+    gpu1=$!
+fi
 wait $en20; echo "en20 job: exit $?"
-wait $gpu1; echo "GPU 1 job: exit $?"
+[ -n "$gpu1" ] && { wait $gpu1; echo "GPU 1 job: exit $?"; }
 
 mv /tmp/out-en20/en20-state.tgz "$OUT/" 2>/dev/null
 tar czf "$OUT/en20-cache.tgz" -C /tmp en20cache 2>/dev/null
 tar czf "$OUT/en20-out.tgz" -C /tmp out-en20
-tar czf "$OUT/gpu1-out.tgz" -C /tmp out-gpu1
 echo "== en20 (GPU 0)"; tail -20 /tmp/out-en20/console.log
+[ -n "$gpu1" ] || exit 0
+tar czf "$OUT/gpu1-out.tgz" -C /tmp out-gpu1
 echo "== GPU 1"; tail -40 /tmp/out-gpu1/console.log
