@@ -53,7 +53,9 @@ def traced_call(family: Any, engine: Any, workload: Any, frames: int) -> tuple[C
 
 
 @torch.inference_mode()
-def profile_stack(family: Any, model: Any, name: str, frames: int, workload: Any) -> dict:
+def profile_stack(
+    family: Any, model: Any, name: str, frames: int, workload: Any, top_n: int = 12
+) -> dict:
     dev = model.device
     engine = family.build_engine(model, build_stack(load_stack(name), DeviceCaps.probe(dev.type)))
     for _ in range(2):  # capture / compile, then a warm run
@@ -68,11 +70,17 @@ def profile_stack(family: Any, model: Any, name: str, frames: int, workload: Any
         sync(dev)
         wall = time.perf_counter() - t0
     kernels: dict[str, list[float]] = defaultdict(list)
+    starts, ends = [], []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name].append(ev.device_time)  # microseconds
+            starts.append(ev.time_range.start)
+            ends.append(ev.time_range.end)
     gpu_us = sum(sum(v) for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    # First kernel's start to last kernel's end: span - busy is the GPU's idle time between
+    # kernels (launch gaps, inside graph replays too), the part fewer kernels would remove.
+    span_us = max(ends) - min(starts) if starts else 0.0
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top_n]
     return {
         "stack": name,
         "unit": unit,
@@ -86,6 +94,7 @@ def profile_stack(family: Any, model: Any, name: str, frames: int, workload: Any
         "profiled_steps": steps,
         "wall_ms_per_step": 1e3 * wall / steps,
         "gpu_ms_per_step": gpu_us / 1e3 / steps,
+        "gpu_span_ms_per_step": span_us / 1e3 / steps,
         "kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
         "top_kernels": [
             {
@@ -108,6 +117,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--top", type=int, default=12, help="kernels kept per stack, by total time")
     args = ap.parse_args()
     spec = load_model_spec(args.model, device=args.device, dtype=args.dtype)
     family = get_family(spec.family)
@@ -115,7 +125,7 @@ def main() -> None:
     workload = load_workload(args.workload)
     rows = []
     for name in args.stacks:  # printed as each finishes: a cut-off run still says something
-        rows.append(profile_stack(family, model, name, args.frames, workload))
+        rows.append(profile_stack(family, model, name, args.frames, workload, args.top))
         print_row(rows[-1])
     env = capture(args.device, family.config_hash(model))
     report = {"environment": env.model_dump(mode="json"), "frames": args.frames, "stacks": rows}
@@ -128,10 +138,11 @@ def print_row(r: dict[str, Any]) -> None:
     print(
         f"\n{r['stack']}: latency {s['latency_s']:.3f}s = lm {s['lm_s']:.3f} + codec "
         f"{s['codec_s']:.3f} | per {r['unit']}: wall {r['wall_ms_per_step']:.3f} ms, "
-        f"GPU {r['gpu_ms_per_step']:.3f} ms, {r['kernels_per_step']:.0f} kernels",
+        f"GPU busy {r['gpu_ms_per_step']:.3f} ms of a {r['gpu_span_ms_per_step']:.3f} ms span, "
+        f"{r['kernels_per_step']:.0f} kernels",
         flush=True,
     )
-    for k in r["top_kernels"]:
+    for k in r["top_kernels"][:12]:
         print(
             f"  {k['us_per_step']:9.1f} us/step {k['calls_per_step']:6.1f}x "
             f"{k['mean_us']:7.2f} us  {k['name']}"

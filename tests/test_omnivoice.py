@@ -283,31 +283,47 @@ def test_fused_qk_norm_rope_op_traces_without_a_gpu():
 @pytest.mark.gpu
 def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
     """bf16 on the GPU, eager and compiled: the packed forward with the fused q/k norm +
-    rotary kernel within rounding of the packed forward through the modules, and one launch
-    a layer where the modules' path runs several."""
+    rotary kernel at least as close to the float32 forward as the packed forward through the
+    modules is, and one launch a layer where the modules' path runs several.
+
+    Against float32, not against the bf16 modules: the kernel keeps the normed q/k in
+    float32 through the rotary and rounds once, where the modules round after the norm and
+    after each rotary op, so the two bf16 paths differ by bf16 rounding through every layer
+    (0.024 of the logits' std at most on the H200, session 13): a fixed bound on that
+    difference says nothing about which path is right."""
     from orchestrate.api.device import count_launches
     from orchestrate.families.omnivoice.engine import build_cfg_batch
 
     family = get_family("omnivoice")
-    model = family.build_model(
-        ModelSpec(family="omnivoice", preset="tiny", device="cuda", dtype="bfloat16")
-    )
+    spec = {"family": "omnivoice", "preset": "tiny", "device": "cuda"}
+    model = family.build_model(ModelSpec(**spec, dtype="bfloat16"))
+    model32 = family.build_model(ModelSpec(**spec, dtype="float32"))  # same random weights
     caps = DeviceCaps.probe("cuda")
     fused = {"name": "ov_packed_projections", "params": {"fused_qk_norm_rope": True}}
     plain = engine_for(family, model, {"name": "ov_packed_projections"}, caps=caps)
     eng = engine_for(family, model, fused, caps=caps)
+    ref = engine_for(family, model32, {"name": "ov_packed_projections"}, caps=caps)
     task = model.ov._preprocess_all(text=[TEXT])
     batch = build_cfg_batch(plain, task, plain.config())
     args = (batch.input_ids, batch.audio_mask, batch.attention_mask)
     with torch.inference_mode():
-        want, got = plain.forward(*args).float(), eng.forward(*args).float()
+        want = ref.forward(*args).float()
+        plain_out, got = plain.forward(*args).float(), eng.forward(*args).float()
         kernels = {
             name: count_launches(lambda e=e: e.forward(*args), torch.device("cuda"))["kernels"]
             for name, e in (("fused", eng), ("plain", plain))
         }
         compiled = torch.compile(eng.forward, dynamic=False)(*args).float()
-    assert float((got - want).abs().max() / want.std()) < 2e-2
-    assert float((compiled - got).abs().max() / got.std()) < 2e-2
+    scale = float(want.std())
+
+    def errors(x: torch.Tensor) -> tuple[float, float]:
+        d = (x - want).abs()
+        return float(d.max()) / scale, float(d.mean()) / scale
+
+    plain_err, fused_err, compiled_err = errors(plain_out), errors(got), errors(compiled)
+    assert plain_err[0] < 0.1, plain_err  # the bf16 reference path itself is sane
+    for err in (fused_err, compiled_err):  # max and mean error, each within 1.5x the modules'
+        assert err[0] <= 1.5 * plain_err[0] and err[1] <= 1.5 * plain_err[1], (err, plain_err)
     layers = model.ov.llm.config.num_hidden_layers
     assert kernels["plain"] - kernels["fused"] >= 2 * layers, kernels
 
