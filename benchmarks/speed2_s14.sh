@@ -1,6 +1,7 @@
 # Issue 14, session 14's OmniVoice device call (from the repo root on the GPU host, after
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
-#   bash benchmarks/speed2_s14.sh ov
+#   bash benchmarks/speed2_s14.sh ov    # OmniVoice GPU tests, and the fused stack's profile
+#   bash benchmarks/speed2_s14.sh qkv   # fused_qkv_layout's GPU tests and its A/B
 # The OmniVoice GPU tests (the fused q/k norm + rotary test now bounds each bf16 path's error
 # against the float32 forward; session 13's call failed its fixed bound, 0.024 > 0.02), then
 # where ov-best-packed-fused's time goes: busy and span per forward, and every kernel family.
@@ -14,5 +15,16 @@ ov)
         --workload ov-tput --top 60 --out "$OUT/issue14-s14-ov-profile.json" \
         --stacks ov-best-packed benchmarks/stacks/ov-best-packed-fused.yaml 2>&1 \
         | grep -v "^  .*us/step.*triton_poi\|Warning\|warn" ;;
-*) echo "usage: speed2_s14.sh ov" >&2; exit 2 ;;
+qkv)
+    # fused_qkv_layout: its GPU tests, then the recipe, -fused and -qkv on five seeds
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        "tests/test_omnivoice.py::test_fused_qk_norm_rope_forward_on_cuda_matches_packed" \
+        "tests/test_kernels.py::test_qk_norm_rope_op_inside_torch_compile" 2>&1 \
+        | tee "$OUT/gpu-tests-qkv.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+    timeout "${RUN_S:-300}" bash benchmarks/gpu_run.sh issue14-s14-qkv --baseline ov-recipe \
+        --stack benchmarks/stacks/ov-best-packed-fused.yaml \
+        --stack benchmarks/stacks/ov-best-packed-qkv.yaml --model omnivoice --device cuda \
+        --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10
+    [ -f "$OUT/issue14-s14-qkv.result.json" ] && rm -rf "$OUT/issue14-s14-qkv" ;;
+*) echo "usage: speed2_s14.sh ov|qkv" >&2; exit 2 ;;
 esac

@@ -1061,6 +1061,35 @@ def test_qk_norm_rope_matches_qwen3(dtype, b, s, hq, hkv, d, cos_b) -> None:
         assert (q - rq).abs().max() < 1e-5 and (k - rk).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("b", "s", "hq", "hkv", "d", "cos_b"),
+    [(2, 5, 4, 2, 16, 1), (2, 3, 3, 1, 8, 2), (1, 7, 2, 2, 12, 1), (1, 4, 8, 2, 8, 1)],
+)
+def test_qkv_norm_rope_writes_what_repeat_kv_would(dtype, b, s, hq, hkv, d, cos_b) -> None:
+    """The second form: q and k as above, v from the next columns, and k and v repeated to
+    the q heads in transformers' repeat_kv order (kv head j serves q heads j*r .. j*r+r-1),
+    so a kernel that tiled the copies (j, j+hkv, ...) fails here."""
+    case = _qkv_case(b, s, hq, hkv, d, dtype, cos_b)
+    got = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv)
+    ref = qkr.qkv_norm_rope_ref(*case, 1e-6, hq, hkv)
+    for g, r in zip(got, ref, strict=True):
+        assert g.shape == (b, hq, s, d) and g.is_contiguous()
+        assert rel_err(g, r) < tol(dtype)
+    assert torch.equal(got[2], ref[2])  # v is copied, not computed
+    q, k = qkr.qk_norm_rope(*case, 1e-6, hq, hkv)  # the first form's q and k, unrepeated
+    assert torch.equal(got[0], q)
+    assert torch.equal(got[1][:, :: hq // hkv], k)
+
+
+def test_qkv_norm_rope_refuses_heads_it_cannot_repeat() -> None:
+    qkv, qw, kw, cos, sin = _qkv_case(1, 4, 3, 2, 8, torch.float32, 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        qkr.qkv_norm_rope(qkv, qw, kw, cos, sin, 1e-6, 3, 2)
+    q, k = qkr.qk_norm_rope(qkv, qw, kw, cos, sin, 1e-6, 3, 2)  # the first form needs none
+    assert q.shape[1] == 3 and k.shape[1] == 2
+
+
 def test_qk_norm_rope_uses_each_norm_weight_and_eps() -> None:
     """A kernel that swapped the q and k weights, or ignored eps, fails this."""
     qkv, qw, kw, cos, sin = _qkv_case(1, 4, 2, 2, 8, torch.float32, 1)
@@ -1115,7 +1144,11 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
     with torch.inference_mode():
         want = PackedBackbone(llm)(embeds, mask)
         got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
+        got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, qkv_layout=True)(embeds, mask)
     assert rel_err(got, want) < 1e-5
+    assert rel_err(got_qkv, want) < 1e-5  # k, v repeated by the kernel, SDPA called directly
+    heads = llm.layers[0].self_attn.config
+    assert heads.num_attention_heads > heads.num_key_value_heads  # GQA: the repeat is tested
 
 
 @gpu
@@ -1123,14 +1156,19 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
     """The triton_op traced into a compiled graph gives the eager launch's result (bf16, the
     real head shape), and the eager Qwen3 path's within rounding."""
     case = _qkv_case(2, 37, 16, 8, 128, torch.bfloat16, 1)
-    op = qkr.qk_norm_rope_op()
-    compiled = torch.compile(lambda *a: op(*a, 1e-6, 16, 8), dynamic=False)
-    got = compiled(*case)
-    eager = qkr.qk_norm_rope(*case, 1e-6, 16, 8)
-    ref = qkr.qk_norm_rope_ref(*case, 1e-6, 16, 8)
-    for g, e, r in zip(got, eager, ref, strict=True):
-        assert torch.equal(g, e)
-        assert rel_err(g, r) < 1e-2
+    forms = (
+        (qkr.qk_norm_rope_op(), qkr.qk_norm_rope, qkr.qk_norm_rope_ref),
+        (qkr.qkv_norm_rope_op(), qkr.qkv_norm_rope, qkr.qkv_norm_rope_ref),
+    )
+    for op, launch, reference in forms:
+        compiled = torch.compile(lambda *a, op=op: op(*a, 1e-6, 16, 8), dynamic=False)
+        got = compiled(*case)
+        eager = launch(*case, 1e-6, 16, 8)
+        ref = reference(*case, 1e-6, 16, 8)
+        assert len(got) == len(ref)
+        for g, e, r in zip(got, eager, ref, strict=True):
+            assert torch.equal(g, e)
+            assert rel_err(g, r) < 1e-2
 
 
 # --------------------------------------------------------------------------- last: compiled

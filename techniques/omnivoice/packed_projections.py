@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchestrate.api.technique import Refused, Technique, TechniqueParams
 from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
@@ -29,12 +29,27 @@ class PackedParams(TechniqueParams):
         description="q/k RMSNorm + rotary in one Triton kernel per layer, writing attention's "
         "[B, H, S, D] layout (kernels/qk_norm_rope.py; CUDA only, refused elsewhere).",
     )
+    fused_qkv_layout: bool = Field(
+        False,
+        description="With fused_qk_norm_rope: the same launch also writes v, and k and v "
+        "repeated to the q heads, so attention (SDPA, called directly) needs none of "
+        "repeat_kv's copies or v's transpose.",
+    )
+
+    @model_validator(mode="after")
+    def _layout_needs_the_kernel(self) -> PackedParams:
+        if self.fused_qkv_layout and not self.fused_qk_norm_rope:
+            raise ValueError(
+                "fused_qkv_layout is written by the fused q/k kernel: set fused_qk_norm_rope "
+                "too (without it, the modules' path keeps repeat_kv)"
+            )
+        return self
 
 
 class PackedBackbone:
     """Qwen3Model's forward (no cache) with packed input projections."""
 
-    def __init__(self, llm: Any, qk_norm_rope: Any = None):
+    def __init__(self, llm: Any, qk_norm_rope: Any = None, qkv_layout: bool = False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -57,6 +72,7 @@ class PackedBackbone:
         self.qkv_sizes = [a0.q_proj.out_features, a0.k_proj.out_features, a0.v_proj.out_features]
         self.intermediate = llm.layers[0].mlp.gate_proj.out_features
         self.qk_norm_rope = qk_norm_rope  # the fused kernel's op, or None: the modules' path
+        self.qkv_layout = qkv_layout  # the op returns q, k, v with k and v at q's head count
         self.heads = (self.qkv_sizes[0] // a0.head_dim, self.qkv_sizes[1] // a0.head_dim)
 
     def weight_bytes(self) -> int:
@@ -85,6 +101,15 @@ class PackedBackbone:
         a = layer.self_attn
         shape = (*xn.shape[:-1], -1, a.head_dim)
         qkv = F.linear(xn, self.qkv[i])
+        if self.qkv_layout:
+            q, k, v = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
+                                        a.q_norm.variance_epsilon, *self.heads)  # fmt: skip
+            # transformers' sdpa_attention_forward, less repeat_kv (k and v come repeated)
+            causal = mask is None and q.shape[2] > 1 and getattr(a, "is_causal", True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=0.0, scale=a.scaling, is_causal=causal
+            ).transpose(1, 2)
+            return a.o_proj(out.reshape(*xn.shape[:-1], -1).contiguous())
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(shape).transpose(1, 2)
         if self.qk_norm_rope is not None:
@@ -116,7 +141,7 @@ class PackedProjections(Technique):
     exact = True
     slots = ("forward",)
     summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
-    version = 2  # 2: the fused_qk_norm_rope param (off: version 1's forward)
+    version = 3  # 2: the fused_qk_norm_rope param, 3: fused_qkv_layout (off: version 1's forward)
     Params = PackedParams
 
     @classmethod
@@ -125,11 +150,12 @@ class PackedProjections(Technique):
 
     def apply(self, engine: Any) -> None:
         ov = engine.model.ov
-        op = fused_qk_norm_rope(ov.llm) if self.params.fused_qk_norm_rope else None
-        engine.forward = packed_forward(ov, PackedBackbone(ov.llm, op))
+        p = self.params
+        op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout) if p.fused_qk_norm_rope else None
+        engine.forward = packed_forward(ov, PackedBackbone(ov.llm, op, p.fused_qkv_layout))
 
 
-def fused_qk_norm_rope(llm: Any) -> Any:
+def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False) -> Any:
     """The fused kernel's torch op for this backbone, or Refused with the reason."""
     import importlib.util
 
@@ -138,6 +164,6 @@ def fused_qk_norm_rope(llm: Any) -> Any:
         raise Refused(f"fused_qk_norm_rope needs CUDA and triton (the model is on {llm.device})")
     if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
         raise Refused("fused_qk_norm_rope: the q and k norms have different eps")
-    from orchestrate.techniques.omnivoice.kernels.qk_norm_rope import qk_norm_rope_op
+    from orchestrate.techniques.omnivoice.kernels import qk_norm_rope as kernels
 
-    return qk_norm_rope_op()
+    return kernels.qkv_norm_rope_op() if qkv_layout else kernels.qk_norm_rope_op()

@@ -15,12 +15,20 @@ Contract
 - cos/sin: the rotary embedding's [Bc, S, D] tables in the input dtype; Bc is 1 or B.
 - D even, <= 256; hq, hkv <= 64. No host synchronisation (CUDA-graph safe).
 
+`qkv_norm_rope(...same arguments...) -> (q, k, v)`, each [B, hq, S, D]: q and k as above, v
+the next hkv*D columns as heads, and k and v repeated to hq heads as transformers' repeat_kv
+does (kv head j serves q heads j*r .. j*r + r - 1, r = hq / hkv; hq must be a multiple of hkv;
+N >= (hq + 2 hkv) * D). Attention then reads three [B, hq, S, D] tensors with no GQA step.
+
 Why
 ---
 ov_packed_projections leaves this to inductor, which fuses it into a reduction kernel of
 5.8 us a layer reading strided columns of the packed output (session 11's profile,
 h200/issue14-s11-ov-packed-profile.json), then SDPA's layout copies. Here one program per
 token reads its q and k heads once and writes them in the [B, H, S, D] layout attention reads.
+With a mask (OmniVoice's CFG padding), transformers' SDPA path expands k and v to the q heads
+(repeat_kv: two copy kernels a layer, and v's transpose a third: session 14's profile,
+h200/issue14-s14-ov-profile.json); `qkv_norm_rope` writes that layout in the same launch.
 `qk_norm_rope_op` is the same launch as a torch.library triton_op, so torch.compile keeps it
 inside its graph instead of breaking the graph around an opaque call.
 """
@@ -52,7 +60,7 @@ def _round(x, DTYPE: tl.constexpr):
 def _heads(
     row_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, s, S, eps,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr, DTYPE: tl.constexpr,
+    HALF_PAD: tl.constexpr, DTYPE: tl.constexpr, REP: tl.constexpr,
 ):  # fmt: skip
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HALF_PAD)
@@ -72,37 +80,61 @@ def _heads(
     s2 = tl.load(sin_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     o1 = _round(y1 * c1, DTYPE) + _round(-y2 * s1, DTYPE)
     o2 = _round(y2 * c2, DTYPE) + _round(y1 * s2, DTYPE)
-    # out[b, h, s, :]: out_ptr points at [b, 0, 0, 0]
-    dst = out_ptr + (offs_h[:, None] * S + s) * D + offs_d[None, :]
-    tl.store(dst, o1.to(DTYPE), mask=mask)
-    tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
+    # out[b, h * REP + r, s, :] for each copy r: out_ptr points at [b, 0, 0, 0]
+    for r in tl.static_range(REP):
+        dst = out_ptr + ((offs_h[:, None] * REP + r) * S + s) * D + offs_d[None, :]
+        tl.store(dst, o1.to(DTYPE), mask=mask)
+        tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _copy_heads(
+    row_ptr, out_ptr, s, S,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    REP: tl.constexpr,
+):  # fmt: skip
+    """v: row[h * D + d] to out[b, h * REP + r, s, d] for each copy r, unchanged."""
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(row_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask)
+    for r in tl.static_range(REP):
+        dst = out_ptr + ((offs_h[:, None] * REP + r) * S + s) * D + offs_d[None, :]
+        tl.store(dst, x, mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
     S, stride_qkv_b, stride_qkv_s, stride_cos_b, eps,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DTYPE: tl.constexpr,
+    WITH_V: tl.constexpr, REP: tl.constexpr,
 ):  # fmt: skip
+    """One program per (b, s): q, and k written REP times (HKV * REP heads); with WITH_V,
+    v too, also REP times. Without it REP is 1 and v is not read."""
     b = tl.program_id(0) // S
     s = tl.program_id(0) % S
     row = qkv_ptr + b.to(tl.int64) * stride_qkv_b + s.to(tl.int64) * stride_qkv_s
     table = b.to(tl.int64) * stride_cos_b + s * D
     q_out = q_ptr + b.to(tl.int64) * HQ * S * D
-    k_out = k_ptr + b.to(tl.int64) * HKV * S * D
+    kv_size = b.to(tl.int64) * HKV * REP * S * D
     _heads(row, q_out, qw_ptr, cos_ptr + table, sin_ptr + table, s, S, eps,
-           HQ, HQ_PAD, D, HALF, HALF_PAD, DTYPE)  # fmt: skip
-    _heads(row + HQ * D, k_out, kw_ptr, cos_ptr + table, sin_ptr + table, s, S, eps,
-           HKV, HKV_PAD, D, HALF, HALF_PAD, DTYPE)  # fmt: skip
+           HQ, HQ_PAD, D, HALF, HALF_PAD, DTYPE, 1)  # fmt: skip
+    _heads(row + HQ * D, k_ptr + kv_size, kw_ptr, cos_ptr + table, sin_ptr + table, s, S,
+           eps, HKV, HKV_PAD, D, HALF, HALF_PAD, DTYPE, REP)  # fmt: skip
+    if WITH_V:
+        _copy_heads(row + (HQ + HKV) * D, v_ptr + kv_size, s, S, HKV, HKV_PAD, D,
+                    2 * HALF_PAD, REP)  # fmt: skip
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int) -> int:
+def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int, with_v: bool) -> int:
     """Raise on anything the kernel would read wrongly; returns the head dim."""
     d = q_weight.numel()
+    heads_read = hq + 2 * hkv if with_v else hq + hkv
     if qkv.dim() != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qk_norm_rope: qkv must be [B, S, N] with a contiguous last dim, "
                          f"got {tuple(qkv.shape)}")  # fmt: skip
@@ -114,9 +146,11 @@ def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int) -> int:
     if d % 2 or d > MAX_HEAD_DIM or k_weight.numel() != d:
         raise ValueError(f"qk_norm_rope: head dim {d} (k weight {k_weight.numel()}) must be "
                          f"even, equal, <= {MAX_HEAD_DIM}")  # fmt: skip
-    if not (0 < hq <= MAX_HEADS and 0 < hkv <= MAX_HEADS) or qkv.shape[-1] < (hq + hkv) * d:
+    if not (0 < hq <= MAX_HEADS and 0 < hkv <= MAX_HEADS) or qkv.shape[-1] < heads_read * d:
         raise ValueError(f"qk_norm_rope: {hq} q + {hkv} kv heads of {d} do not fit "
                          f"{qkv.shape[-1]} columns (at most {MAX_HEADS} heads each)")  # fmt: skip
+    if with_v and hq % hkv:
+        raise ValueError(f"qkv_norm_rope: {hq} q heads are not a multiple of {hkv} kv heads")
     b, s = qkv.shape[:2]
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape[0] not in (1, b) or tuple(t.shape[1:]) != (s, d) or not t.is_contiguous():
@@ -132,22 +166,26 @@ def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int) -> int:
     return d
 
 
-def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv: int):
-    d = _check(qkv, q_weight, k_weight, cos, sin, hq, hkv)
+def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv: int,
+            with_v: bool = False):  # fmt: skip
+    d = _check(qkv, q_weight, k_weight, cos, sin, hq, hkv, with_v)
     b, s = qkv.shape[:2]
+    kv_heads = hq if with_v else hkv
     q = torch.empty((b, hq, s, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((b, hkv, s, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((b, kv_heads, s, d), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k) if with_v else q  # q: an unused pointer when v is not written
+    out = (q, k, v) if with_v else (q, k)
     if b * s == 0:
-        return q, k
+        return out
     half = d // 2
     kernel[(b * s,)](
-        qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q, k,
+        qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q, k, v,
         s, qkv.stride(0), qkv.stride(1), 0 if cos.shape[0] == 1 else cos.stride(0), eps,
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HKV=hkv, HKV_PAD=triton.next_power_of_2(hkv),
         D=d, HALF=half, HALF_PAD=triton.next_power_of_2(half), DTYPE=_TL[qkv.dtype],
-        num_warps=4,
+        WITH_V=with_v, REP=hq // hkv if with_v else 1, num_warps=4,
     )  # fmt: skip
-    return q, k
+    return out
 
 
 def qk_norm_rope(
@@ -162,6 +200,20 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above, as a plain launch (eager code and the interpreter)."""
     return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv)
+
+
+def qkv_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract's second form: q, k and v, k and v repeated to hq heads."""
+    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv, True)
 
 
 def qk_norm_rope_ref(
@@ -192,7 +244,28 @@ def qk_norm_rope_ref(
     return (q * c) + (rotate_half(q) * sn), (k * c) + (rotate_half(k) * sn)
 
 
+def qkv_norm_rope_ref(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qk_norm_rope_ref, then v's columns as heads and transformers' repeat_kv of k and v."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    d = q_weight.numel()
+    b, s = qkv.shape[:2]
+    q, k = qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, eps, hq, hkv)
+    v = qkv[..., (hq + hkv) * d : (hq + 2 * hkv) * d].reshape(b, s, hkv, d).transpose(1, 2)
+    return q, repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
+
+
 _OP = None
+_QKV_OP = None
 
 
 def qk_norm_rope_op():
@@ -219,3 +292,27 @@ def qk_norm_rope_op():
 
         _OP = ov_qk_norm_rope
     return _OP
+
+
+def qkv_norm_rope_op():
+    """`qkv_norm_rope` as `torch.ops.orchestrate.ov_qkv_norm_rope` (see qk_norm_rope_op)."""
+    global _QKV_OP
+    if _QKV_OP is None:
+        from torch.library import triton_op, wrap_triton
+
+        @triton_op("orchestrate::ov_qkv_norm_rope", mutates_args=())
+        def ov_qkv_norm_rope(
+            qkv: torch.Tensor,
+            q_weight: torch.Tensor,
+            k_weight: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            eps: float,
+            hq: int,
+            hkv: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _launch(wrap_triton(_qk_norm_rope_kernel), qkv, q_weight, k_weight, cos,
+                           sin, eps, hq, hkv, True)  # fmt: skip
+
+        _QKV_OP = ov_qkv_norm_rope
+    return _QKV_OP
