@@ -175,6 +175,7 @@ class Utterance(Base):
     forward_passes: Mapped[int | None] = mapped_column(Integer)
     forward_bytes: Mapped[float | None] = mapped_column(Float)
     forward_flops: Mapped[float | None] = mapped_column(Float)
+    host_loop_ms: Mapped[float | None] = mapped_column(Float)  # revision 0006
 
 
 class Metric(Base):

@@ -206,6 +206,29 @@ def test_too_few_pairs_is_noisy() -> None:
     assert comparisons(quiet())["fast"]["noisy"] == 0.0
 
 
+def test_utterances_timed_on_hosts_of_different_speed_are_noisy() -> None:
+    """A resumed run's segments can run on other hosts: a stock baseline (no headline of its
+    own) timed on a host twice as slow as the rest makes the run noisy; one host's own
+    jitter does not; utterances carried from a worker that did not record its host are
+    counted, not guessed."""
+    from factories import utterances
+
+    def with_hosts(*ms: float | None) -> list:
+        utts = utterances(1.0, n=len(ms))
+        return [u.model_copy(update={"host_loop_ms": h}) for u, h in zip(utts, ms, strict=True)]
+
+    mixed = metrics.summarize(with_hosts(13.1, 13.0, 26.2, 25.9))
+    assert mixed["host_loop_spread"] == pytest.approx(26.2 / 13.0)
+    (why,) = metrics.noise_reasons("stock", mixed)
+    assert "stock: timed on hosts whose single-thread loop differs 2.02x" in why
+    assert metrics.run_noise([("stock", mixed)]) == [why]
+    one_host = metrics.summarize(with_hosts(13.1, 12.9, 13.3, 13.0))
+    assert metrics.noise_reasons("stock", one_host) == []
+    partly = metrics.summarize(with_hosts(None, None, 13.0, 13.1))
+    assert partly["host_loop_unrecorded"] == 2.0 and partly["host_loop_spread"] < 1.25
+    assert "host_loop_spread" not in metrics.summarize(with_hosts(None, None))
+
+
 @pytest.mark.parametrize(("verdict", "code"), [("accept", 0), ("retain", 3)])
 def test_gate_exit_code_says_the_verdict(
     verdict: str, code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -188,6 +188,11 @@ class UtteranceRecord(Record):
     resumed: bool = Field(
         False, description="Measured by the run this one resumed (carried over, not re-timed)."
     )
+    host_loop_ms: float | None = Field(
+        None,
+        description="The timing worker's host single-thread loop (environment.single_thread_ms)"
+        ": the segments of a resumed run can run on hosts of different speed.",
+    )
 
 
 class FidelityRecord(Record):

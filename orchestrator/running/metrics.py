@@ -45,6 +45,11 @@ AGGREGATE_LABEL = "RTF ratio (aggregate)"
 # would change every protocol's content hash, and stored protocols refuse that.
 MAX_PAIRED_SPREAD = 1.5
 MIN_PAIRS = 2
+# A resumed run's segments may run on other hosts (each device call of session 14's en20
+# did): a host-bound stack (stock's Python token loop) ran 15.7 ms/token on a host whose
+# single-thread loop took 13.1 ms and 25-27 ms/token on slower ones, where exp74-full did
+# not move. One host measures its loop within a few percent from run to run.
+MAX_HOST_SPREAD = 1.25
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -92,6 +97,11 @@ def summarize(utts: Sequence[UtteranceRecord]) -> dict[str, float]:
     ttfa = [u.time_to_first_audio_s for u in utts if u.time_to_first_audio_s is not None]
     if ttfa:
         out["median_ttfa_s"] = statistics.median(ttfa)
+    hosts = [u.host_loop_ms for u in utts if u.host_loop_ms]
+    if hosts:  # slowest host's loop over the fastest's: 1.0 for a run on one host
+        out["host_loop_spread"] = max(hosts) / min(hosts)
+        if len(hosts) < len(utts):  # some carried from a worker that did not record its host
+            out["host_loop_unrecorded"] = float(len(utts) - len(hosts))
     return out
 
 
@@ -256,12 +266,19 @@ def headline(
 
 
 def noise_reasons(stack: str, m: Mapping[str, float]) -> list[str]:
-    """Why the stored headline of one stack (its metrics, as stored) is not to be trusted;
-    [] when it is, or when it was never measured (no pairs: nothing to trust)."""
-    if HEADLINE not in m:
-        return []
+    """Why the stored figures of one stack (its metrics, as stored) are not to be trusted;
+    [] when they are. Its utterances timed on hosts of different speed (any stack, the
+    baseline too), and for a candidate, its paired headline's pairs disagreeing."""
     who = f"{stack}: " if stack else ""
     out = []
+    host_spread = m.get("host_loop_spread")
+    if host_spread is not None and host_spread > MAX_HOST_SPREAD:
+        out.append(
+            f"{who}timed on hosts whose single-thread loop differs {host_spread:.2f}x "
+            f"(> {MAX_HOST_SPREAD}x; a resumed run's segments?): host-bound figures mix them"
+        )
+    if HEADLINE not in m:
+        return out
     n = int(m.get(f"{HEADLINE}_n", 0))
     if n < MIN_PAIRS:
         out.append(f"{who}{n} paired utterance(s), fewer than {MIN_PAIRS}: spread unknown")

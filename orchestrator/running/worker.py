@@ -285,6 +285,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     # Recordings a resumed run saved already count against save_audio.
     saved = {n: sum(u.audio_path is not None for u in results[n].utterances) for n in engines}
     prints = guards.AudioPrints()  # does a stack's audio depend on its input?
+    host_ms = environment.single_thread_ms()  # measured once, before any utterance is timed
     for rnd, (prompt, seed) in enumerate(pairs):
         names = list(engines)
         order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate: no fixed first
@@ -309,7 +310,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
                 write_wav(out_dir / rel, syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
             prints.add(name, prompt.id, prompt.text, seed, rnd, syn.audio, syn.sample_rate)
-            utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa)
+            utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa, host_ms)
             journal.append(name, utt)  # on disk before anything else can go wrong
             results[name].utterances.append(utt)
             done, timed = done + 1, timed + 1
@@ -366,7 +367,13 @@ def _carry(job: JobSpec, results: dict[str, StackResult]) -> set[tuple[str, str,
 
 
 def _utterance(
-    syn: Any, prompt_id: str, seed: int, rnd: int, audio_path: str | None, ttfa: float | None
+    syn: Any,
+    prompt_id: str,
+    seed: int,
+    rnd: int,
+    audio_path: str | None,
+    ttfa: float | None,
+    host_ms: float | None = None,
 ) -> UtteranceRecord:
     return UtteranceRecord(
         prompt_id=prompt_id,
@@ -386,6 +393,7 @@ def _utterance(
         forward_passes=syn.forward_passes,
         forward_bytes=syn.forward_bytes,
         forward_flops=syn.forward_flops,
+        host_loop_ms=host_ms,
         **integrity(syn.audio),
     )
 
