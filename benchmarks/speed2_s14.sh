@@ -17,11 +17,11 @@ ov)
         | grep -v "^  .*us/step.*triton_poi\|Warning\|warn" ;;
 qkv)
     # fused_qkv_layout: its GPU tests, then the recipe, -fused and -qkv on five seeds
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
         "tests/test_omnivoice.py::test_fused_qk_norm_rope_forward_on_cuda_matches_packed" \
         "tests/test_kernels.py::test_qk_norm_rope_op_inside_torch_compile" 2>&1 \
         | tee "$OUT/gpu-tests-qkv.log" | grep -E "passed|failed|FAILED|Error" | tail -8
-    timeout "${RUN_S:-300}" bash benchmarks/gpu_run.sh issue14-s14-qkv --baseline ov-recipe \
+    timeout "${RUN_S:-190}" bash benchmarks/gpu_run.sh issue14-s14-qkv --baseline ov-recipe \
         --stack benchmarks/stacks/ov-best-packed-fused.yaml \
         --stack benchmarks/stacks/ov-best-packed-qkv.yaml --model omnivoice --device cuda \
         --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10
