@@ -2,6 +2,7 @@
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
 #   bash benchmarks/speed2_s14.sh ov    # OmniVoice GPU tests, and the fused stack's profile
 #   bash benchmarks/speed2_s14.sh qkv   # fused_qkv_layout's GPU tests and its A/B
+#   bash benchmarks/speed2_s14.sh qkvprof  # its GPU tests and its profile (a short call)
 # The OmniVoice GPU tests (the fused q/k norm + rotary test now bounds each bf16 path's error
 # against the float32 forward; session 13's call failed its fixed bound, 0.024 > 0.02), then
 # where ov-best-packed-fused's time goes: busy and span per forward, and every kernel family.
@@ -26,5 +27,16 @@ qkv)
         --stack benchmarks/stacks/ov-best-packed-qkv.yaml --model omnivoice --device cuda \
         --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10
     [ -f "$OUT/issue14-s14-qkv.result.json" ] && rm -rf "$OUT/issue14-s14-qkv" ;;
-*) echo "usage: speed2_s14.sh ov|qkv" >&2; exit 2 ;;
+qkvprof)
+    # the short form, for a call of under 3 minutes: the GPU tests, then -qkv's profile alone
+    # (GPU-side figures, comparable with the `ov` mode's profile of -fused from another call)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        "tests/test_omnivoice.py::test_fused_qk_norm_rope_forward_on_cuda_matches_packed" \
+        "tests/test_kernels.py::test_qk_norm_rope_op_inside_torch_compile" 2>&1 \
+        | tee "$OUT/gpu-tests-qkv.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+    timeout "${PROFILE_S:-90}" python3 benchmarks/profile_step.py --model omnivoice \
+        --workload ov-tput --top 60 --out "$OUT/issue14-s14-qkv-profile.json" \
+        --stacks benchmarks/stacks/ov-best-packed-qkv.yaml 2>&1 \
+        | grep -v "^  .*us/step.*triton_poi\|Warning\|warn" ;;
+*) echo "usage: speed2_s14.sh ov|qkv|qkvprof" >&2; exit 2 ;;
 esac
