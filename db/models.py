@@ -176,6 +176,7 @@ class Utterance(Base):
     forward_bytes: Mapped[float | None] = mapped_column(Float)
     forward_flops: Mapped[float | None] = mapped_column(Float)
     host_loop_ms: Mapped[float | None] = mapped_column(Float)  # revision 0006
+    timed_by: Mapped[str | None] = mapped_column(String(64))  # revision 0006
 
 
 class Metric(Base):

@@ -38,8 +38,14 @@ def assert_headline_by_hand(result: ResultRecord, base: StackResult, stack: Stac
     def t(u: UtteranceRecord) -> float:
         return u.latency_s / u.audio_s if protocol.speed_metric == "rtf" else u.latency_s
 
+    def back_to_back(a: UtteranceRecord, b: UtteranceRecord) -> bool:  # one worker timed both
+        if a.timed_by and b.timed_by:
+            return a.timed_by == b.timed_by
+        return a.resumed == b.resumed  # records from before timed_by: carried or not
+
     pairs = [(u.prompt_id, t(by_key[k]) / t(u)) for u in stack.utterances
-             if (k := (u.prompt_id, u.seed, u.round)) in by_key and u.audio_s > 0]  # fmt: skip
+             if (k := (u.prompt_id, u.seed, u.round)) in by_key and u.audio_s > 0
+             and back_to_back(by_key[k], u)]  # fmt: skip
     weights = [prompt_weight(p, protocol.speed.weights) for p, _ in pairs]
     by_hand = math.exp(
         sum(w * math.log(r) for w, (_, r) in zip(weights, pairs, strict=True)) / sum(weights)

@@ -206,6 +206,20 @@ def test_too_few_pairs_is_noisy() -> None:
     assert comparisons(quiet())["fast"]["noisy"] == 0.0
 
 
+def test_pairs_form_only_within_one_worker() -> None:
+    """A resumed run's segments: a pair timed by two workers (a round the interruption cut)
+    is left out; records from before `timed_by` fall back to carried-or-not."""
+    from factories import utterances
+
+    base, cand = utterances(1.0, n=4), utterances(0.5, n=4)
+    assert len(metrics.paired_log_ratios(base, cand)) == 4
+    base = [u.model_copy(update={"timed_by": "job-a" if u.round < 2 else "job-b"}) for u in base]
+    cand = [u.model_copy(update={"timed_by": "job-a" if u.round < 1 else "job-b"}) for u in cand]
+    assert [p for p, _ in metrics.paired_log_ratios(base, cand)] == ["p0", "p2", "p3"]
+    old = [u.model_copy(update={"resumed": u.round < 2}) for u in utterances(1.0, n=4)]
+    assert len(metrics.paired_log_ratios(old, utterances(0.5, n=4))) == 2
+
+
 def test_utterances_timed_on_hosts_of_different_speed_are_noisy() -> None:
     """A resumed run's segments can run on other hosts: a stock baseline (no headline of its
     own) timed on a host twice as slow as the rest makes the run noisy; one host's own

@@ -109,6 +109,13 @@ def test_a_killed_run_resumes_to_one_whole_result(env: dict[str, str], tmp_path:
     for key in resumed:
         assert utts[key]["latency_s"] == before[key]["utterance"]["latency_s"]
         assert utts[key]["round"] == before[key]["utterance"]["round"]
+    # each utterance names the worker that timed it: pairs form only within one
+    assert {utts[k]["timed_by"] for k in resumed} == {old_dir.name}
+    assert {u["timed_by"] for k, u in utts.items() if k not in resumed} == {run["job_id"]}
+    workers = {p: {utts[(s, p, 42)]["timed_by"] for s in ("stock", "cpu-fast")} for p in "ab"}
+    split = [p for p, timed_by in workers.items() if len(timed_by) == 2]  # a round cut in two
+    fast = next(s for s in run["stacks"] if s["name"] == "cpu-fast")
+    assert fast["metrics"]["speedup_paired_n"] == 2 - len(split)
     assert all(s["metrics"]["utterances"] == 2 for s in run["stacks"])
 
     # the new job folder is whole: result (marked), journal of all four, every WAV it names

@@ -193,6 +193,11 @@ class UtteranceRecord(Record):
         description="The timing worker's host single-thread loop (environment.single_thread_ms)"
         ": the segments of a resumed run can run on hosts of different speed.",
     )
+    timed_by: str | None = Field(
+        None,
+        description="Job id of the worker that timed it: a resumed run has one per segment, "
+        "and a pair is formed only within one (measured back to back).",
+    )
 
 
 class FidelityRecord(Record):

@@ -179,10 +179,18 @@ def paired_log_ratios(
         b = by_key.get((u.prompt_id, u.seed, u.round))
         if b is None or u.latency_s <= 0 or b.latency_s <= 0 or u.audio_s <= 0 or b.audio_s <= 0:
             continue
-        if getattr(b, "resumed", False) != getattr(u, "resumed", False):
-            continue  # one carried over from an interrupted run: not measured back to back
+        if timed_apart(b, u):
+            continue  # not measured back to back
         out.append((u.prompt_id, math.log(_time(b, metric) / _time(u, metric))))
     return out
+
+
+def timed_apart(a: UtteranceRecord, b: UtteranceRecord) -> bool:
+    """Timed by different workers: segments of a resumed run (their worker's job ids), or,
+    for records older than `timed_by`, one carried over from an interrupted run and one not."""
+    if a.timed_by and b.timed_by:
+        return a.timed_by != b.timed_by
+    return a.resumed != b.resumed
 
 
 def prompt_weight(prompt_id: str, weights: dict[str, float]) -> float:

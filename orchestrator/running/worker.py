@@ -310,7 +310,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
                 write_wav(out_dir / rel, syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
             prints.add(name, prompt.id, prompt.text, seed, rnd, syn.audio, syn.sample_rate)
-            utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa, host_ms)
+            utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa, host_ms, job.job_id)
             journal.append(name, utt)  # on disk before anything else can go wrong
             results[name].utterances.append(utt)
             done, timed = done + 1, timed + 1
@@ -374,6 +374,7 @@ def _utterance(
     audio_path: str | None,
     ttfa: float | None,
     host_ms: float | None = None,
+    timed_by: str | None = None,
 ) -> UtteranceRecord:
     return UtteranceRecord(
         prompt_id=prompt_id,
@@ -394,6 +395,7 @@ def _utterance(
         forward_bytes=syn.forward_bytes,
         forward_flops=syn.forward_flops,
         host_loop_ms=host_ms,
+        timed_by=timed_by,
         **integrity(syn.audio),
     )
 

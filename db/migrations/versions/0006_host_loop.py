@@ -1,5 +1,5 @@
-"""Per-utterance host speed: the single-thread loop of the worker that timed it (a resumed
-run's segments can run on hosts of different speed).
+"""Per utterance, the worker that timed it and its host's speed (its single-thread loop): a
+resumed run's segments can run on hosts of different speed, and pairs form within one.
 
 Revision ID: 0006
 Revises: 0005
@@ -22,8 +22,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("utterances") as batch:
         batch.add_column(sa.Column("host_loop_ms", sa.Float(), nullable=True))
+        batch.add_column(sa.Column("timed_by", sa.String(64), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("utterances") as batch:
+        batch.drop_column("timed_by")
         batch.drop_column("host_loop_ms")
