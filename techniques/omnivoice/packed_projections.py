@@ -33,7 +33,7 @@ class PackedParams(TechniqueParams):
         False,
         description="With fused_qk_norm_rope: the same launch also writes v, and k and v "
         "repeated to the q heads, so attention (SDPA, called directly) needs none of "
-        "repeat_kv's copies or v's transpose.",
+        "repeat_kv's copies.",
     )
 
     @model_validator(mode="after")

@@ -27,7 +27,7 @@ ov_packed_projections leaves this to inductor, which fuses it into a reduction k
 h200/issue14-s11-ov-packed-profile.json), then SDPA's layout copies. Here one program per
 token reads its q and k heads once and writes them in the [B, H, S, D] layout attention reads.
 With a mask (OmniVoice's CFG padding), transformers' SDPA path expands k and v to the q heads
-(repeat_kv: two copy kernels a layer, and v's transpose a third: session 14's profile,
+(repeat_kv: two copy kernels a layer, session 14's profile,
 h200/issue14-s14-ov-profile.json); `qkv_norm_rope` writes that layout in the same launch.
 `qk_norm_rope_op` is the same launch as a torch.library triton_op, so torch.compile keeps it
 inside its graph instead of breaking the graph around an opaque call.
