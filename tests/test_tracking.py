@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import require_or_skip
 
-from orchestrate.api.records import ResultRecord
-from orchestrate.store import tracking
-from orchestrate.store.store import Store
+require_or_skip("mlflow")  # absent on the GPU host (a collection error there); CI requires it
+
+from orchestrate.api.records import ResultRecord  # noqa: E402
+from orchestrate.store import tracking  # noqa: E402
+from orchestrate.store.store import Store  # noqa: E402
 
 MakeResult = Callable[..., ResultRecord]
 RUN_ID = "0123456789abcdef0123456789abcdef"
