@@ -35,6 +35,7 @@ inside its graph instead of breaking the graph around an opaque call.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -264,55 +265,34 @@ def qkv_norm_rope_ref(
     return q, repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
 
 
-_OP = None
-_QKV_OP = None
+# The ops' arguments, for the schema torch.library infers (annotations as objects: one body
+# serves both forms, which differ only in how many tensors they return).
+_OP_ARGS = {
+    **dict.fromkeys(("qkv", "q_weight", "k_weight", "cos", "sin"), torch.Tensor),
+    **{"eps": float, "hq": int, "hkv": int},
+}
+
+
+@functools.cache
+def _op(with_v: bool):
+    from torch.library import triton_op, wrap_triton
+
+    def launch(qkv, q_weight, k_weight, cos, sin, eps, hq, hkv):
+        kernel = wrap_triton(_qk_norm_rope_kernel)
+        return _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv, with_v)
+
+    launch.__annotations__ = {**_OP_ARGS, "return": tuple[(torch.Tensor,) * (3 if with_v else 2)]}
+    name = "ov_qkv_norm_rope" if with_v else "ov_qk_norm_rope"
+    return triton_op(f"orchestrate::{name}", mutates_args=())(launch)
 
 
 def qk_norm_rope_op():
     """The launch as `torch.ops.orchestrate.ov_qk_norm_rope`, registered on first use: a
     torch.library triton_op, which torch.compile traces into its graph (its fake version, for
     shapes, is the same function with the launch skipped)."""
-    global _OP
-    if _OP is None:
-        from torch.library import triton_op, wrap_triton
-
-        @triton_op("orchestrate::ov_qk_norm_rope", mutates_args=())
-        def ov_qk_norm_rope(
-            qkv: torch.Tensor,
-            q_weight: torch.Tensor,
-            k_weight: torch.Tensor,
-            cos: torch.Tensor,
-            sin: torch.Tensor,
-            eps: float,
-            hq: int,
-            hkv: int,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return _launch(wrap_triton(_qk_norm_rope_kernel), qkv, q_weight, k_weight, cos,
-                           sin, eps, hq, hkv)  # fmt: skip
-
-        _OP = ov_qk_norm_rope
-    return _OP
+    return _op(False)
 
 
 def qkv_norm_rope_op():
     """`qkv_norm_rope` as `torch.ops.orchestrate.ov_qkv_norm_rope` (see qk_norm_rope_op)."""
-    global _QKV_OP
-    if _QKV_OP is None:
-        from torch.library import triton_op, wrap_triton
-
-        @triton_op("orchestrate::ov_qkv_norm_rope", mutates_args=())
-        def ov_qkv_norm_rope(
-            qkv: torch.Tensor,
-            q_weight: torch.Tensor,
-            k_weight: torch.Tensor,
-            cos: torch.Tensor,
-            sin: torch.Tensor,
-            eps: float,
-            hq: int,
-            hkv: int,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return _launch(wrap_triton(_qk_norm_rope_kernel), qkv, q_weight, k_weight, cos,
-                           sin, eps, hq, hkv, True)  # fmt: skip
-
-        _QKV_OP = ov_qkv_norm_rope
-    return _QKV_OP
+    return _op(True)
