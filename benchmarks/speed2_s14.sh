@@ -1,7 +1,8 @@
 # Issue 14, session 14's OmniVoice device call (from the repo root on the GPU host, after
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh):
 #   bash benchmarks/speed2_s14.sh ov    # OmniVoice GPU tests, and the fused stack's profile
-#   bash benchmarks/speed2_s14.sh qkv   # fused_qkv_layout's GPU tests and its A/B
+#   bash benchmarks/speed2_s14.sh qkv   # fused_qkv_layout's GPU tests and its A/B (a whole
+#                                       # call; RUN_S=190 when less device time is left)
 #   bash benchmarks/speed2_s14.sh qkvprof  # its GPU tests and its profile (a short call)
 # The OmniVoice GPU tests (the fused q/k norm + rotary test now bounds each bf16 path's error
 # against the float32 forward; session 13's call failed its fixed bound, 0.024 > 0.02), then
@@ -22,7 +23,7 @@ qkv)
         "tests/test_omnivoice.py::test_fused_qk_norm_rope_forward_on_cuda_matches_packed" \
         "tests/test_kernels.py::test_qk_norm_rope_op_inside_torch_compile" 2>&1 \
         | tee "$OUT/gpu-tests-qkv.log" | grep -E "passed|failed|FAILED|Error" | tail -8
-    timeout "${RUN_S:-190}" bash benchmarks/gpu_run.sh issue14-s14-qkv --baseline ov-recipe \
+    timeout "${RUN_S:-420}" bash benchmarks/gpu_run.sh issue14-s14-qkv --baseline ov-recipe \
         --stack benchmarks/stacks/ov-best-packed-fused.yaml \
         --stack benchmarks/stacks/ov-best-packed-qkv.yaml --model omnivoice --device cuda \
         --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -10
