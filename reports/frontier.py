@@ -45,7 +45,7 @@ from orchestrate.research.decide import (
 from orchestrate.research.holdout import list_audits
 from orchestrate.research.noise import AA_SUFFIX
 from orchestrate.research.scoring_run import load_rows, stack_quality
-from orchestrate.running.metrics import AGGREGATE, HEADLINE, exactness, noise_reasons
+from orchestrate.running.metrics import AGGREGATE, HEADLINE, exactness, run_noise
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
@@ -192,7 +192,7 @@ def _points(
     random = random_weights(result.job.model)  # scores of random weights judge nothing
     judged = quality is not None and bool(protocol.quality.gates) and not random
     stock = result.results[0]
-    noisy = [r for sr in result.results[1:] for r in noise_reasons(sr.stack.name, sr.metrics)]
+    noisy = run_noise([(sr.stack.name, sr.metrics) for sr in result.results])  # baseline too
     out = []
     for sr in result.results[1:]:
         speedup = sr.metrics.get(HEADLINE)  # the stored headline: no estimate of our own

@@ -22,6 +22,7 @@ from orchestrate.running.metrics import (
     invalid_reasons,
     noise_reasons,
 )
+from orchestrate.running.metrics import run_noise as metrics_run_noise
 
 if TYPE_CHECKING:
     from orchestrate.reports.run_diff import RunDiff
@@ -75,8 +76,8 @@ def exact_cell(s: Mapping[str, Any]) -> str:
 
 
 def run_noise(run_row: Mapping[str, Any]) -> list[str]:
-    """Why a stored run's headline is not to be trusted (metrics.noise_reasons), or []."""
-    return [r for s in run_row.get("stacks", []) for r in noise_reasons(s["name"], s["metrics"])]
+    """Why a stored run's figures are not to be trusted (metrics.run_noise), or []."""
+    return metrics_run_noise([(s["name"], s["metrics"]) for s in run_row.get("stacks", [])])
 
 
 def annotate(run_row: dict[str, Any]) -> dict[str, Any]:

@@ -242,6 +242,17 @@ def test_utterances_timed_on_hosts_of_different_speed_are_noisy() -> None:
     assert partly["host_loop_unrecorded"] == 2.0 and partly["host_loop_spread"] < 1.25
     assert "host_loop_spread" not in metrics.summarize(with_hosts(None, None))
 
+    # A fresh result, as the gate and explore judge it: the candidates' comparisons alone
+    # hold no baseline metrics, so its host spread is read from the worker's metrics.
+    base = stack_result(STOCK, 1.0)
+    base.utterances = with_hosts(13.0, 13.0, 26.0, 26.0, 13.0, 13.0, 26.0, 26.0)
+    base.metrics = metrics.summarize(base.utterances)
+    result = result_record([base, stack_result(FAST, 0.5)])
+    comps = comparisons(result)
+    assert metrics.run_noise(list(comps.items())) == []  # what the gate used to read
+    (why,) = metrics.result_noise(result, comps)
+    assert why.startswith("stock: timed on hosts") and "2.00x" in why
+
 
 @pytest.mark.parametrize(("verdict", "code"), [("accept", 0), ("retain", 3)])
 def test_gate_exit_code_says_the_verdict(

@@ -416,7 +416,7 @@ class Explorer:
             stock,
             self.s.protocol,
             invalid=invalid,
-            noisy=metrics.run_noise(list(out.comparisons.items())),
+            noisy=metrics.result_noise(out.result, out.comparisons),
             random_weights=self.random_weights,
             change=cand["change"],
         )

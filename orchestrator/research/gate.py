@@ -64,10 +64,6 @@ def _not_a_remeasure(run: Outcome, planned: JobSpec, hardware: str) -> str | Non
     return f"its {', '.join(differ)} differ" if differ else None
 
 
-def _noise(comparisons: dict[str, dict[str, float]]) -> list[str]:
-    return metrics.run_noise(list(comparisons.items()))
-
-
 def run_gate(
     store: Any,
     *,
@@ -149,7 +145,7 @@ def run_gate(
     stored = first.comparisons.get(candidate.name, {})
     speedup = stored.get(metrics.HEADLINE, 0.0)
     report["headline"] = _headline(stored)
-    noisy = report["noisy"] = _noise(first.comparisons)
+    noisy = report["noisy"] = metrics.result_noise(first.result, first.comparisons)
     checks = [
         decide.speed_check(
             "remeasure", by[against], by[candidate.name], protocol.speed, protocol.speed_metric
@@ -222,7 +218,7 @@ def run_gate(
             q_stock, q_cand = quality[stock.name], quality[candidate.name]
             gates = decide.check_gates(q_stock, q_cand, protocol.quality)
             gates.append(decide.check_coverage(q_stock, q_cand, protocol.quality))
-            report["holdout_noisy"] = _noise(second.comparisons)
+            report["holdout_noisy"] = metrics.result_noise(second.result, second.comparisons)
             verdict = decide.judge(
                 held_by[candidate.name],
                 checks,

@@ -23,7 +23,7 @@ from typing import Literal
 
 from orchestrate.api.config import Workload
 from orchestrate.api.protocol import ProtocolError, SpeedRule
-from orchestrate.api.records import UtteranceRecord
+from orchestrate.api.records import ResultRecord, UtteranceRecord
 
 HEADLINE = "speedup_paired"  # + HEADLINE_lo, HEADLINE_hi; HEADLINE_n pairs
 AGGREGATE = "speedup_vs_baseline"  # the aggregate RTF ratio, shown beside it only
@@ -302,6 +302,14 @@ def noise_reasons(stack: str, m: Mapping[str, float]) -> list[str]:
 def run_noise(stacks: Sequence[tuple[str, Mapping[str, float]]]) -> list[str]:
     """noise_reasons over a run's stacks (name, stored metrics): the run is noisy if any."""
     return [r for name, m in stacks for r in noise_reasons(name, m)]
+
+
+def result_noise(result: ResultRecord, comparisons: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """run_noise of a fresh result, before it is stored: every stack's worker metrics (the
+    baseline's host spread among them) with its comparisons (the candidates' headlines)."""
+    return run_noise(
+        [(r.stack.name, {**r.metrics, **comparisons.get(r.stack.name, {})}) for r in result.results]
+    )
 
 
 # --------------------------------------------------------------------------- exactness

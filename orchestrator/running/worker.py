@@ -373,8 +373,8 @@ def _utterance(
     rnd: int,
     audio_path: str | None,
     ttfa: float | None,
-    host_ms: float | None = None,
-    timed_by: str | None = None,
+    host_ms: float,
+    timed_by: str,
 ) -> UtteranceRecord:
     return UtteranceRecord(
         prompt_id=prompt_id,
