@@ -1074,13 +1074,19 @@ def test_qk_norm_rope_matches_qwen3(dtype, b, s, hq, hkv, d, cos_b) -> None:
 def test_qkv_norm_rope_writes_what_repeat_kv_would(dtype, b, s, hq, hkv, d, cos_b) -> None:
     """The second form: q and k as above, v from the next columns, and k and v repeated to
     the q heads in transformers' repeat_kv order (kv head j serves q heads j*r .. j*r+r-1),
-    so a kernel that tiled the copies (j, j+hkv, ...) fails here."""
+    so a kernel that tiled the copies (j, j+hkv, ...) fails here. Tokens-major: views of
+    [B, S, H, D] memory, every element where that layout puts it (a kernel writing by the
+    heads-major strides into it would scramble heads and tokens when S > 1 and H > 1);
+    heads-major: contiguous, the same values."""
     case = _qkv_case(b, s, hq, hkv, d, dtype, cos_b)
     got = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv)
+    heads_major = qkr.qkv_norm_rope_heads_major(*case, 1e-6, hq, hkv)
     ref = qkr.qkv_norm_rope_ref(*case, 1e-6, hq, hkv)
-    for g, r in zip(got, ref, strict=True):
-        assert g.shape == (b, hq, s, d) and g.is_contiguous()
+    for g, hm, r in zip(got, heads_major, ref, strict=True):
+        assert g.shape == hm.shape == (b, hq, s, d) and hm.is_contiguous()
+        assert g.transpose(1, 2).is_contiguous()  # [B, S, H, D] memory
         assert rel_err(g, r) < tol(dtype)
+        assert torch.equal(g, hm)
     assert torch.equal(got[2], ref[2])  # v is copied, not computed
     q, k = qkr.qk_norm_rope(*case, 1e-6, hq, hkv)  # the first form's q and k, unrepeated
     assert torch.equal(got[0], q)
@@ -1150,8 +1156,12 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
         want = PackedBackbone(llm)(embeds, mask)
         got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
         got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, qkv_layout=True)(embeds, mask)
+        got_hm = PackedBackbone(llm, qkr.qkv_norm_rope_heads_major, qkv_layout=True)(
+            embeds, mask
+        )
     assert rel_err(got, want) < 1e-5
     assert rel_err(got_qkv, want) < 1e-5  # k, v repeated by the kernel, SDPA called directly
+    assert rel_err(got_hm, want) < 1e-5
     heads = llm.layers[0].self_attn.config
     assert heads.num_attention_heads > heads.num_key_value_heads  # GQA: the repeat is tested
 
@@ -1164,6 +1174,7 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
     forms = (
         (qkr.qk_norm_rope_op(), qkr.qk_norm_rope, qkr.qk_norm_rope_ref),
         (qkr.qkv_norm_rope_op(), qkr.qkv_norm_rope, qkr.qkv_norm_rope_ref),
+        (qkr.qkv_norm_rope_op(False), qkr.qkv_norm_rope_heads_major, qkr.qkv_norm_rope_ref),
     )
     for op, launch, reference in forms:
         compiled = torch.compile(lambda *a, op=op: op(*a, 1e-6, 16, 8), dynamic=False)
@@ -1172,7 +1183,7 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
         ref = reference(*case, 1e-6, 16, 8)
         assert len(got) == len(ref)
         for g, e, r in zip(got, eager, ref, strict=True):
-            assert torch.equal(g, e)
+            assert torch.equal(g, e) and g.stride() == e.stride()  # compiled keeps the layout
             assert rel_err(g, r) < 1e-2
 
 

@@ -256,6 +256,9 @@ def test_fused_qkv_layout_without_the_kernel_is_a_conflict(family, model):
     params = {"fused_qkv_layout": True}
     with pytest.raises(StackError, match="set fused_qk_norm_rope too"):
         engine_for(family, model, {"name": "ov_packed_projections", "params": params})
+    params = {"fused_qk_norm_rope": True, "qkv_heads_major": True}  # a layout of nothing
+    with pytest.raises(StackError, match="qkv_heads_major is fused_qkv_layout's"):
+        engine_for(family, model, {"name": "ov_packed_projections", "params": params})
 
 
 def test_fused_qk_norm_rope_op_traces_without_a_gpu():
@@ -288,6 +291,14 @@ def test_fused_qk_norm_rope_op_traces_without_a_gpu():
             op(qkv, w, w, cos, cos, 1e-6, 32, 8)
         q, k, v = qkr.qkv_norm_rope_op()(qkv, w, w, cos, cos, 1e-6, 16, 8)
         assert q.shape == k.shape == v.shape == (2, 16, 37, 128)
+        assert all(t.transpose(1, 2).is_contiguous() for t in (q, k, v))  # tokens-major
+        # what the compiled graph's attention sees: its cuDNN output in q's layout
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, False, 0.0, False, False
+        )[0]
+        assert out.transpose(1, 2).is_contiguous()  # o_proj's [B, S, H*D]: a view, no copy
+        q, k, v = qkr.qkv_norm_rope_op(False)(qkv, w, w, cos, cos, 1e-6, 16, 8)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 
 @pytest.mark.gpu
@@ -317,6 +328,10 @@ def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
     eng_qkv = engine_for(
         family, model, {"name": "ov_packed_projections", "params": layout}, caps=caps
     )
+    heads_major = {**layout, "qkv_heads_major": True}
+    eng_hm = engine_for(
+        family, model, {"name": "ov_packed_projections", "params": heads_major}, caps=caps
+    )
     ref = engine_for(family, model32, {"name": "ov_packed_projections"}, caps=caps)
     task = model.ov._preprocess_all(text=[TEXT])
     batch = build_cfg_batch(plain, task, plain.config())
@@ -324,10 +339,10 @@ def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
     with torch.inference_mode():
         want = ref.forward(*args).float()
         plain_out, got = plain.forward(*args).float(), eng.forward(*args).float()
-        got_qkv = eng_qkv.forward(*args).float()
+        got_qkv, got_hm = eng_qkv.forward(*args).float(), eng_hm.forward(*args).float()
         kernels = {
             name: count_launches(lambda e=e: e.forward(*args), torch.device("cuda"))["kernels"]
-            for name, e in (("fused", eng), ("plain", plain), ("qkv", eng_qkv))
+            for name, e in (("fused", eng), ("plain", plain), ("qkv", eng_qkv), ("hm", eng_hm))
         }
         compiled = torch.compile(eng.forward, dynamic=False)(*args).float()
         compiled_qkv = torch.compile(eng_qkv.forward, dynamic=False)(*args).float()
@@ -339,12 +354,16 @@ def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
 
     plain_err = errors(plain_out)
     assert plain_err[0] < 0.1, plain_err  # the bf16 reference path itself is sane
-    for out in (got, compiled, got_qkv, compiled_qkv):  # max and mean error vs float32, each
+    for out in (got, compiled, got_qkv, compiled_qkv, got_hm):  # max, mean error vs fp32
         err = errors(out)  # within 1.5x the modules'
         assert err[0] <= 1.5 * plain_err[0] and err[1] <= 1.5 * plain_err[1], (err, plain_err)
     layers = model.ov.llm.config.num_hidden_layers
     assert kernels["plain"] - kernels["fused"] >= 2 * layers, kernels
-    assert kernels["fused"] - kernels["qkv"] >= 2 * layers, kernels
+    assert kernels["fused"] - kernels["hm"] >= 2 * layers, kernels
+    # tokens-major: never more launches than heads-major; one fewer a layer where SDPA's
+    # backend writes its output in q's layout (cuDNN; the real shape's profile says which)
+    assert kernels["qkv"] <= kernels["hm"], kernels
+    print("launches per forward:", kernels)
 
 
 def test_packed_projections_fill_the_forward_before_compile():

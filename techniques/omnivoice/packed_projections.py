@@ -35,6 +35,12 @@ class PackedParams(TechniqueParams):
         "repeated to the q heads, so attention (SDPA, called directly) needs none of "
         "repeat_kv's copies.",
     )
+    qkv_heads_major: bool = Field(
+        False,
+        description="With fused_qkv_layout: write q, k, v as contiguous [B, H, S, D] (version "
+        "3's layout, kept for A/Bs) instead of tokens-major [B, S, H, D] memory, whose "
+        "attention output o_proj reads without a copy.",
+    )
 
     @model_validator(mode="after")
     def _layout_needs_the_kernel(self) -> PackedParams:
@@ -43,6 +49,8 @@ class PackedParams(TechniqueParams):
                 "fused_qkv_layout is written by the fused q/k kernel: set fused_qk_norm_rope "
                 "too (without it, the modules' path keeps repeat_kv)"
             )
+        if self.qkv_heads_major and not self.fused_qkv_layout:
+            raise ValueError("qkv_heads_major is fused_qkv_layout's layout: set it too")
         return self
 
 
@@ -104,7 +112,8 @@ class PackedBackbone:
         if self.qkv_layout:
             q, k, v = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
                                         a.q_norm.variance_epsilon, *self.heads)  # fmt: skip
-            # transformers' sdpa_attention_forward, less repeat_kv (k and v come repeated)
+            # transformers' sdpa_attention_forward, less repeat_kv (k and v come repeated).
+            # With tokens-major q, SDPA's output is [B, S, H, D] memory: no copy for o_proj.
             causal = mask is None and q.shape[2] > 1 and getattr(a, "is_causal", True)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=0.0, scale=a.scaling, is_causal=causal
@@ -141,7 +150,9 @@ class PackedProjections(Technique):
     exact = True
     slots = ("forward",)
     summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
-    version = 3  # 2: the fused_qk_norm_rope param, 3: fused_qkv_layout (off: version 1's forward)
+    # 2: the fused_qk_norm_rope param, 3: fused_qkv_layout, 4: its outputs tokens-major
+    # (qkv_heads_major: version 3's); every param off is version 1's forward
+    version = 4
     Params = PackedParams
 
     @classmethod
@@ -151,11 +162,13 @@ class PackedProjections(Technique):
     def apply(self, engine: Any) -> None:
         ov = engine.model.ov
         p = self.params
-        op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout) if p.fused_qk_norm_rope else None
+        op = None
+        if p.fused_qk_norm_rope:
+            op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout, not p.qkv_heads_major)
         engine.forward = packed_forward(ov, PackedBackbone(ov.llm, op, p.fused_qkv_layout))
 
 
-def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False) -> Any:
+def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False, tokens_major: bool = True) -> Any:
     """The fused kernel's torch op for this backbone, or Refused with the reason."""
     import importlib.util
 
@@ -166,4 +179,4 @@ def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False) -> Any:
         raise Refused("fused_qk_norm_rope: the q and k norms have different eps")
     from orchestrate.techniques.omnivoice.kernels import qk_norm_rope as kernels
 
-    return kernels.qkv_norm_rope_op() if qkv_layout else kernels.qk_norm_rope_op()
+    return kernels.qkv_norm_rope_op(tokens_major) if qkv_layout else kernels.qk_norm_rope_op()

@@ -19,6 +19,9 @@ Contract
 the next hkv*D columns as heads, and k and v repeated to hq heads as transformers' repeat_kv
 does (kv head j serves q heads j*r .. j*r + r - 1, r = hq / hkv; hq must be a multiple of hkv;
 N >= (hq + 2 hkv) * D). Attention then reads three [B, hq, S, D] tensors with no GQA step.
+They are views of [B, S, hq, D] memory (tokens-major, transposed): SDPA's cuDNN and flash
+paths write their output in q's layout, so attention's output is already [B, S, hq * D] for
+o_proj, with no copy. `qkv_norm_rope_heads_major` writes contiguous [B, hq, S, D] instead.
 
 Why
 ---
@@ -28,7 +31,9 @@ h200/issue14-s11-ov-packed-profile.json), then SDPA's layout copies. Here one pr
 token reads its q and k heads once and writes them in the [B, H, S, D] layout attention reads.
 With a mask (OmniVoice's CFG padding), transformers' SDPA path expands k and v to the q heads
 (repeat_kv: two copy kernels a layer, session 14's profile,
-h200/issue14-s14-ov-profile.json); `qkv_norm_rope` writes that layout in the same launch.
+h200/issue14-s14-ov-profile.json); `qkv_norm_rope` writes that layout in the same launch,
+and tokens-major so that attention's output needs no copy back (session 14's qkv profile:
+a 1.40 us clone a layer, h200/issue14-s14-qkv-profile.json).
 `qk_norm_rope_op` is the same launch as a torch.library triton_op, so torch.compile keeps it
 inside its graph instead of breaking the graph around an opaque call.
 """
@@ -59,7 +64,7 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _heads(
-    row_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, s, S, eps,
+    row_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, s, SH, SS, eps,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, DTYPE: tl.constexpr, REP: tl.constexpr,
 ):  # fmt: skip
@@ -81,16 +86,17 @@ def _heads(
     s2 = tl.load(sin_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     o1 = _round(y1 * c1, DTYPE) + _round(-y2 * s1, DTYPE)
     o2 = _round(y2 * c2, DTYPE) + _round(y1 * s2, DTYPE)
-    # out[b, h * REP + r, s, :] for each copy r: out_ptr points at [b, 0, 0, 0]
+    # out[b, h * REP + r, s, :] for each copy r: out_ptr points at [b, 0, 0, 0], SH and SS
+    # are the head and token strides (heads-major [B, H, S, D] or tokens-major [B, S, H, D])
     for r in tl.static_range(REP):
-        dst = out_ptr + ((offs_h[:, None] * REP + r) * S + s) * D + offs_d[None, :]
+        dst = out_ptr + (offs_h[:, None] * REP + r) * SH + s * SS + offs_d[None, :]
         tl.store(dst, o1.to(DTYPE), mask=mask)
         tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
 
 
 @triton.jit
 def _copy_heads(
-    row_ptr, out_ptr, s, S,
+    row_ptr, out_ptr, s, SH, SS,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     REP: tl.constexpr,
 ):  # fmt: skip
@@ -100,7 +106,7 @@ def _copy_heads(
     mask = (offs_h < H)[:, None] & (offs_d < D)[None, :]
     x = tl.load(row_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask)
     for r in tl.static_range(REP):
-        dst = out_ptr + ((offs_h[:, None] * REP + r) * S + s) * D + offs_d[None, :]
+        dst = out_ptr + (offs_h[:, None] * REP + r) * SH + s * SS + offs_d[None, :]
         tl.store(dst, x, mask=mask)
 
 
@@ -110,22 +116,29 @@ def _qk_norm_rope_kernel(
     S, stride_qkv_b, stride_qkv_s, stride_cos_b, eps,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DTYPE: tl.constexpr,
-    WITH_V: tl.constexpr, REP: tl.constexpr,
+    WITH_V: tl.constexpr, REP: tl.constexpr, TOKENS_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """One program per (b, s): q, and k written REP times (HKV * REP heads); with WITH_V,
-    v too, also REP times. Without it REP is 1 and v is not read."""
+    v too, also REP times. Without it REP is 1 and v is not read. TOKENS_MAJOR (only with
+    WITH_V, where every output has HQ heads): outputs laid out [B, S, HQ, D] in memory."""
     b = tl.program_id(0) // S
     s = tl.program_id(0) % S
     row = qkv_ptr + b.to(tl.int64) * stride_qkv_b + s.to(tl.int64) * stride_qkv_s
     table = b.to(tl.int64) * stride_cos_b + s * D
     q_out = q_ptr + b.to(tl.int64) * HQ * S * D
     kv_size = b.to(tl.int64) * HKV * REP * S * D
-    _heads(row, q_out, qw_ptr, cos_ptr + table, sin_ptr + table, s, S, eps,
+    if TOKENS_MAJOR:
+        SH = D
+        SS = HQ * D
+    else:
+        SH = S * D
+        SS = D
+    _heads(row, q_out, qw_ptr, cos_ptr + table, sin_ptr + table, s, SH, SS, eps,
            HQ, HQ_PAD, D, HALF, HALF_PAD, DTYPE, 1)  # fmt: skip
-    _heads(row + HQ * D, k_ptr + kv_size, kw_ptr, cos_ptr + table, sin_ptr + table, s, S,
-           eps, HKV, HKV_PAD, D, HALF, HALF_PAD, DTYPE, REP)  # fmt: skip
+    _heads(row + HQ * D, k_ptr + kv_size, kw_ptr, cos_ptr + table, sin_ptr + table, s, SH,
+           SS, eps, HKV, HKV_PAD, D, HALF, HALF_PAD, DTYPE, REP)  # fmt: skip
     if WITH_V:
-        _copy_heads(row + (HQ + HKV) * D, v_ptr + kv_size, s, S, HKV, HKV_PAD, D,
+        _copy_heads(row + (HQ + HKV) * D, v_ptr + kv_size, s, SH, SS, HKV, HKV_PAD, D,
                     2 * HALF_PAD, REP)  # fmt: skip
 
 
@@ -168,13 +181,20 @@ def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int, with_v: bool) -
 
 
 def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv: int,
-            with_v: bool = False):  # fmt: skip
+            with_v: bool = False, tokens_major: bool = False):  # fmt: skip
     d = _check(qkv, q_weight, k_weight, cos, sin, hq, hkv, with_v)
+    if tokens_major and not with_v:
+        raise ValueError("qk_norm_rope: the tokens-major layout is the qkv form's (q, k, v)")
     b, s = qkv.shape[:2]
-    kv_heads = hq if with_v else hkv
-    q = torch.empty((b, hq, s, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((b, kv_heads, s, d), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k) if with_v else q  # q: an unused pointer when v is not written
+
+    def heads(n: int) -> torch.Tensor:  # [b, n, s, d], in memory [b, s, n, d] if tokens-major
+        if tokens_major:
+            return torch.empty((b, s, n, d), dtype=qkv.dtype, device=qkv.device).transpose(1, 2)
+        return torch.empty((b, n, s, d), dtype=qkv.dtype, device=qkv.device)
+
+    q = heads(hq)
+    k = heads(hq if with_v else hkv)
+    v = heads(hq) if with_v else q  # q: an unused pointer when v is not written
     out = (q, k, v) if with_v else (q, k)
     if b * s == 0:
         return out
@@ -184,7 +204,8 @@ def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv:
         s, qkv.stride(0), qkv.stride(1), 0 if cos.shape[0] == 1 else cos.stride(0), eps,
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HKV=hkv, HKV_PAD=triton.next_power_of_2(hkv),
         D=d, HALF=half, HALF_PAD=triton.next_power_of_2(half), DTYPE=_TL[qkv.dtype],
-        WITH_V=with_v, REP=hq // hkv if with_v else 1, num_warps=4,
+        WITH_V=with_v, REP=hq // hkv if with_v else 1, TOKENS_MAJOR=tokens_major,
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -213,8 +234,24 @@ def qkv_norm_rope(
     hq: int,
     hkv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract's second form: q, k and v, k and v repeated to hq heads."""
-    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv, True)
+    """The contract's second form: q, k and v, k and v repeated to hq heads, tokens-major."""
+    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
+                   True, True)  # fmt: skip
+
+
+def qkv_norm_rope_heads_major(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv_norm_rope with contiguous [B, hq, S, D] outputs (session 14's layout, for A/Bs)."""
+    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
+                   True, False)  # fmt: skip
 
 
 def qk_norm_rope_ref(
@@ -274,15 +311,17 @@ _OP_ARGS = {
 
 
 @functools.cache
-def _op(with_v: bool):
+def _op(with_v: bool, tokens_major: bool = False):
     from torch.library import triton_op, wrap_triton
 
     def launch(qkv, q_weight, k_weight, cos, sin, eps, hq, hkv):
         kernel = wrap_triton(_qk_norm_rope_kernel)
-        return _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv, with_v)
+        return _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv, with_v,
+                       tokens_major)  # fmt: skip
 
     launch.__annotations__ = {**_OP_ARGS, "return": tuple[(torch.Tensor,) * (3 if with_v else 2)]}
     name = "ov_qkv_norm_rope" if with_v else "ov_qk_norm_rope"
+    name += "" if tokens_major or not with_v else "_heads_major"
     return triton_op(f"orchestrate::{name}", mutates_args=())(launch)
 
 
@@ -293,6 +332,7 @@ def qk_norm_rope_op():
     return _op(False)
 
 
-def qkv_norm_rope_op():
-    """`qkv_norm_rope` as `torch.ops.orchestrate.ov_qkv_norm_rope` (see qk_norm_rope_op)."""
-    return _op(True)
+def qkv_norm_rope_op(tokens_major: bool = True):
+    """`qkv_norm_rope` as `torch.ops.orchestrate.ov_qkv_norm_rope` (see qk_norm_rope_op);
+    tokens_major=False: `qkv_norm_rope_heads_major` as `..._heads_major`."""
+    return _op(True, tokens_major)
