@@ -1156,9 +1156,7 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
         want = PackedBackbone(llm)(embeds, mask)
         got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
         got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, qkv_layout=True)(embeds, mask)
-        got_hm = PackedBackbone(llm, qkr.qkv_norm_rope_heads_major, qkv_layout=True)(
-            embeds, mask
-        )
+        got_hm = PackedBackbone(llm, qkr.qkv_norm_rope_heads_major, qkv_layout=True)(embeds, mask)
     assert rel_err(got, want) < 1e-5
     assert rel_err(got_qkv, want) < 1e-5  # k, v repeated by the kernel, SDPA called directly
     assert rel_err(got_hm, want) < 1e-5
