@@ -1074,17 +1074,18 @@ def test_qk_norm_rope_matches_qwen3(dtype, b, s, hq, hkv, d, cos_b) -> None:
 def test_qkv_norm_rope_writes_what_repeat_kv_would(dtype, b, s, hq, hkv, d, cos_b) -> None:
     """The second form: q and k as above, v from the next columns, and k and v repeated to
     the q heads in transformers' repeat_kv order (kv head j serves q heads j*r .. j*r+r-1),
-    so a kernel that tiled the copies (j, j+hkv, ...) fails here. Tokens-major: views of
-    [B, S, H, D] memory, every element where that layout puts it (a kernel writing by the
+    so a kernel that tiled the copies (j, j+hkv, ...) fails here. Tokens-major: contiguous
+    [B, S, H, D], every element where that layout puts it (a kernel writing by the
     heads-major strides into it would scramble heads and tokens when S > 1 and H > 1);
-    heads-major: contiguous, the same values."""
+    heads-major: contiguous [B, H, S, D], the same values."""
     case = _qkv_case(b, s, hq, hkv, d, dtype, cos_b)
-    got = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv)
+    tokens_major = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv)
     heads_major = qkr.qkv_norm_rope_heads_major(*case, 1e-6, hq, hkv)
     ref = qkr.qkv_norm_rope_ref(*case, 1e-6, hq, hkv)
+    assert all(t.shape == (b, s, hq, d) and t.is_contiguous() for t in tokens_major)
+    got = [t.transpose(1, 2) for t in tokens_major]
     for g, hm, r in zip(got, heads_major, ref, strict=True):
         assert g.shape == hm.shape == (b, hq, s, d) and hm.is_contiguous()
-        assert g.transpose(1, 2).is_contiguous()  # [B, S, H, D] memory
         assert rel_err(g, r) < tol(dtype)
         assert torch.equal(g, hm)
     assert torch.equal(got[2], ref[2])  # v is copied, not computed
@@ -1155,7 +1156,7 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
     with torch.inference_mode():
         want = PackedBackbone(llm)(embeds, mask)
         got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
-        got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, qkv_layout=True)(embeds, mask)
+        got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, True, tokens_major=True)(embeds, mask)
         got_hm = PackedBackbone(llm, qkr.qkv_norm_rope_heads_major, qkv_layout=True)(embeds, mask)
     assert rel_err(got, want) < 1e-5
     assert rel_err(got_qkv, want) < 1e-5  # k, v repeated by the kernel, SDPA called directly
@@ -1179,6 +1180,8 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
         got = compiled(*case)
         eager = launch(*case, 1e-6, 16, 8)
         ref = reference(*case, 1e-6, 16, 8)
+        if launch is qkr.qkv_norm_rope:  # tokens-major [B, S, H, D]: compare as heads
+            got, eager = ([t.transpose(1, 2) for t in ts] for ts in (got, eager))
         assert len(got) == len(ref)
         for g, e, r in zip(got, eager, ref, strict=True):
             assert torch.equal(g, e) and g.stride() == e.stride()  # compiled keeps the layout

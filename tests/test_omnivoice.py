@@ -290,9 +290,10 @@ def test_fused_qk_norm_rope_op_traces_without_a_gpu():
         with pytest.raises(ValueError, match="do not fit"):
             op(qkv, w, w, cos, cos, 1e-6, 32, 8)
         q, k, v = qkr.qkv_norm_rope_op()(qkv, w, w, cos, cos, 1e-6, 16, 8)
-        assert q.shape == k.shape == v.shape == (2, 16, 37, 128)
-        assert all(t.transpose(1, 2).is_contiguous() for t in (q, k, v))  # tokens-major
+        assert q.shape == k.shape == v.shape == (2, 37, 16, 128)  # tokens-major
+        assert all(t.is_contiguous() for t in (q, k, v))
         # what the compiled graph's attention sees: its cuDNN output in q's layout
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, False, 0.0, False, False
         )[0]

@@ -57,7 +57,10 @@ class PackedParams(TechniqueParams):
 class PackedBackbone:
     """Qwen3Model's forward (no cache) with packed input projections."""
 
-    def __init__(self, llm: Any, qk_norm_rope: Any = None, qkv_layout: bool = False):
+    def __init__(
+        self, llm: Any, qk_norm_rope: Any = None, qkv_layout: bool = False,
+        tokens_major: bool = False,
+    ):  # fmt: skip
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -81,6 +84,7 @@ class PackedBackbone:
         self.intermediate = llm.layers[0].mlp.gate_proj.out_features
         self.qk_norm_rope = qk_norm_rope  # the fused kernel's op, or None: the modules' path
         self.qkv_layout = qkv_layout  # the op returns q, k, v with k and v at q's head count
+        self.tokens_major = tokens_major  # ... as [B, S, H, D] (else [B, H, S, D])
         self.heads = (self.qkv_sizes[0] // a0.head_dim, self.qkv_sizes[1] // a0.head_dim)
 
     def weight_bytes(self) -> int:
@@ -112,6 +116,8 @@ class PackedBackbone:
         if self.qkv_layout:
             q, k, v = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
                                         a.q_norm.variance_epsilon, *self.heads)  # fmt: skip
+            if self.tokens_major:  # [B, S, H, D] tensors: attention reads them as views
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             # transformers' sdpa_attention_forward, less repeat_kv (k and v come repeated).
             # With tokens-major q, SDPA's output is [B, S, H, D] memory: no copy for o_proj.
             causal = mask is None and q.shape[2] > 1 and getattr(a, "is_causal", True)
@@ -151,8 +157,9 @@ class PackedProjections(Technique):
     slots = ("forward",)
     summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
     # 2: the fused_qk_norm_rope param, 3: fused_qkv_layout, 4: its outputs tokens-major
-    # (qkv_heads_major: version 3's); every param off is version 1's forward
-    version = 4
+    # (qkv_heads_major: version 3's), 5: ... returned as [B, S, H, D] tensors, not views
+    # (4's views were cloned under compile); every param off is version 1's forward
+    version = 5
     Params = PackedParams
 
     @classmethod
@@ -163,9 +170,11 @@ class PackedProjections(Technique):
         ov = engine.model.ov
         p = self.params
         op = None
+        tokens_major = p.fused_qkv_layout and not p.qkv_heads_major
         if p.fused_qk_norm_rope:
-            op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout, not p.qkv_heads_major)
-        engine.forward = packed_forward(ov, PackedBackbone(ov.llm, op, p.fused_qkv_layout))
+            op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout, tokens_major)
+        backbone = PackedBackbone(ov.llm, op, p.fused_qkv_layout, tokens_major)
+        engine.forward = packed_forward(ov, backbone)
 
 
 def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False, tokens_major: bool = True) -> Any:

@@ -19,9 +19,10 @@ Contract
 the next hkv*D columns as heads, and k and v repeated to hq heads as transformers' repeat_kv
 does (kv head j serves q heads j*r .. j*r + r - 1, r = hq / hkv; hq must be a multiple of hkv;
 N >= (hq + 2 hkv) * D). Attention then reads three [B, hq, S, D] tensors with no GQA step.
-They are views of [B, S, hq, D] memory (tokens-major, transposed): SDPA's cuDNN and flash
-paths write their output in q's layout, so attention's output is already [B, S, hq * D] for
-o_proj, with no copy. `qkv_norm_rope_heads_major` writes contiguous [B, hq, S, D] instead.
+They come back tokens-major: contiguous [B, S, hq, D], which the caller transposes to
+[B, hq, S, D] views for attention. SDPA's cuDNN and flash paths write their output in q's
+layout, so attention's output is then already [B, S, hq * D] memory for o_proj, with no
+copy. `qkv_norm_rope_heads_major` returns contiguous [B, hq, S, D] instead.
 
 Why
 ---
@@ -187,10 +188,12 @@ def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv:
         raise ValueError("qk_norm_rope: the tokens-major layout is the qkv form's (q, k, v)")
     b, s = qkv.shape[:2]
 
-    def heads(n: int) -> torch.Tensor:  # [b, n, s, d], in memory [b, s, n, d] if tokens-major
-        if tokens_major:
-            return torch.empty((b, s, n, d), dtype=qkv.dtype, device=qkv.device).transpose(1, 2)
-        return torch.empty((b, n, s, d), dtype=qkv.dtype, device=qkv.device)
+    def heads(n: int) -> torch.Tensor:
+        # Tokens-major outputs go back as the contiguous [b, s, n, d] tensors the kernel
+        # wrote, not as transposed views: under torch.compile a triton_op's outputs that are
+        # views are cloned around the launch (session 15's profile: 3 copies a layer more)
+        shape = (b, s, n, d) if tokens_major else (b, n, s, d)
+        return torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
 
     q = heads(hq)
     k = heads(hq if with_v else hkv)
@@ -234,7 +237,8 @@ def qkv_norm_rope(
     hq: int,
     hkv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract's second form: q, k and v, k and v repeated to hq heads, tokens-major."""
+    """The contract's second form: q, k and v, k and v repeated to hq heads, each a
+    contiguous [B, S, hq, D] (tokens-major: transpose(1, 2) for attention)."""
     return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
                    True, True)  # fmt: skip
 
