@@ -3,6 +3,8 @@
 #   bash benchmarks/speed2_s15.sh ov   # GPU tests, the A/B, then -qkv's profile
 #   bash benchmarks/speed2_s15.sh ov2  # GPU tests, the A/B, then v3 and -qkv profiled in one
 #                                      # process with inductor's generated code kept
+#   bash benchmarks/speed2_s15.sh gemm # small_gemm's GPU test, then its sweep against cuBLAS
+#                                      # at the packed forward's four shapes (not yet run)
 # The A/B: one run, five seeds, interleaved: the recipe, -fused, -qkv-v3 (session 14's
 # [B, H, S, D] layout, attention's output copied for o_proj) and -qkv (tokens-major, no copy).
 # `ov` ran at cc82bb2, where -qkv was ov_packed_projections version 4 (views returned from
@@ -39,5 +41,11 @@ ov2)
         profile "${PROFILE_S:-150}" issue14-s15-qkv5-profile \
         benchmarks/stacks/ov-best-packed-qkv-v3.yaml benchmarks/stacks/ov-best-packed-qkv.yaml
     gzip -f "$OUT/qkv-output-code.log" ;;
-*) echo "usage: speed2_s15.sh ov|ov2" >&2; exit 2 ;;
+gemm)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        "tests/test_kernels.py::test_gpu_small_gemm_at_omnivoice_shapes" 2>&1 \
+        | tee "$OUT/gpu-tests-small-gemm.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+    timeout "${SWEEP_S:-420}" python3 benchmarks/ov_gemm_sweep.py \
+        --out "$OUT/issue14-ov-gemm-sweep.json" 2>&1 | grep -v "Warning\|warn" | tail -40 ;;
+*) echo "usage: speed2_s15.sh ov|ov2|gemm" >&2; exit 2 ;;
 esac

@@ -69,6 +69,7 @@ with _interpreter(not CUDA and IN_PROCESS):
             "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu",
             "fused_gemv"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
+        sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
         ep = importlib.import_module(_KERNELS + "epilogue")
         gemv = importlib.import_module(_KERNELS + "int8_gemv")
@@ -1163,6 +1164,51 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
     assert rel_err(got_hm, want) < 1e-5
     heads = llm.layers[0].self_attn.config
     assert heads.num_attention_heads > heads.num_key_value_heads  # GQA: the repeat is tested
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split_k"),
+    [(5, 40, 64, 1), (5, 40, 64, 2), (37, 24, 128, 4), (1, 16, 32, 1)],
+)
+def test_small_gemm_matches_the_product(dtype, m, n, k, split_k) -> None:
+    """Rows and columns that do not fill a block (masked), K split into 1-4 ranges: the fp32
+    product rounded once, within bf16's rounding; a split run twice gives the same bits."""
+    cfg = sg.GemmConfig(block_m=16, block_n=16, block_k=16, split_k=split_k)
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
+    out = sg.small_gemm(x, w, cfg)
+    ref = sg.small_gemm_ref(x, w)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < tol(dtype)
+    if dtype == torch.float32:
+        assert (out - ref).abs().max() < 1e-4 * float(ref.abs().max())
+    assert torch.equal(out, sg.small_gemm(x, w, cfg))
+    strided = randn(m, k + 8, dtype=dtype)[:, :k]  # x a column slice: read by its row stride
+    assert rel_err(sg.small_gemm(strided, w, cfg), sg.small_gemm_ref(strided, w)) < tol(dtype)
+
+
+def test_small_gemm_refuses_a_split_that_leaves_a_partial_chunk() -> None:
+    x, w = randn(4, 48), randn(8, 48)
+    with pytest.raises(ValueError, match="does not split into 2 ranges"):
+        sg.small_gemm(x, w, sg.GemmConfig(block_k=32, split_k=2))
+    with pytest.raises(ValueError, match="x is"):
+        sg.small_gemm(x, w.to(torch.bfloat16), sg.GemmConfig(block_k=16))
+
+
+@gpu
+def test_gpu_small_gemm_at_omnivoice_shapes() -> None:
+    """bf16 on the H200 at the packed forward's four shapes (156 rows), every split the sweep
+    times: the fp32 product within bf16 rounding, and as close to it as cuBLAS's bf16 GEMM."""
+    torch.manual_seed(0)
+    for n, k in sg.OV_SHAPES.values():
+        x = torch.randn(156, k, device=DEVICE, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+        exact = x.float() @ w.float().T
+        cublas = rel_err(torch.nn.functional.linear(x, w), exact)
+        for split in (1, 2, 4, 8):
+            cfg = sg.GemmConfig(block_m=64, block_n=64, block_k=64, split_k=split)
+            err = rel_err(sg.small_gemm(x, w, cfg), exact)
+            assert err < 1e-2 and err <= 1.5 * cublas, (n, k, split, err, cublas)
 
 
 @gpu
