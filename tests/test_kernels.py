@@ -14,6 +14,7 @@ matters.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import math
@@ -1081,7 +1082,7 @@ def test_qkv_norm_rope_writes_what_repeat_kv_would(dtype, b, s, hq, hkv, d, cos_
     heads-major: contiguous [B, H, S, D], the same values."""
     case = _qkv_case(b, s, hq, hkv, d, dtype, cos_b)
     tokens_major = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv)
-    heads_major = qkr.qkv_norm_rope_heads_major(*case, 1e-6, hq, hkv)
+    heads_major = qkr.qkv_norm_rope(*case, 1e-6, hq, hkv, tokens_major=False)
     ref = qkr.qkv_norm_rope_ref(*case, 1e-6, hq, hkv)
     assert all(t.shape == (b, s, hq, d) and t.is_contiguous() for t in tokens_major)
     got = [t.transpose(1, 2) for t in tokens_major]
@@ -1158,7 +1159,8 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
         want = PackedBackbone(llm)(embeds, mask)
         got = PackedBackbone(llm, qkr.qk_norm_rope)(embeds, mask)
         got_qkv = PackedBackbone(llm, qkr.qkv_norm_rope, True, tokens_major=True)(embeds, mask)
-        got_hm = PackedBackbone(llm, qkr.qkv_norm_rope_heads_major, qkv_layout=True)(embeds, mask)
+        heads_major = functools.partial(qkr.qkv_norm_rope, tokens_major=False)
+        got_hm = PackedBackbone(llm, heads_major, qkv_layout=True)(embeds, mask)
     assert rel_err(got, want) < 1e-5
     assert rel_err(got_qkv, want) < 1e-5  # k, v repeated by the kernel, SDPA called directly
     assert rel_err(got_hm, want) < 1e-5
@@ -1216,10 +1218,11 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
     """The triton_op traced into a compiled graph gives the eager launch's result (bf16, the
     real head shape), and the eager Qwen3 path's within rounding."""
     case = _qkv_case(2, 37, 16, 8, 128, torch.bfloat16, 1)
+    heads_major = functools.partial(qkr.qkv_norm_rope, tokens_major=False)
     forms = (
         (qkr.qk_norm_rope_op(), qkr.qk_norm_rope, qkr.qk_norm_rope_ref),
         (qkr.qkv_norm_rope_op(), qkr.qkv_norm_rope, qkr.qkv_norm_rope_ref),
-        (qkr.qkv_norm_rope_op(False), qkr.qkv_norm_rope_heads_major, qkr.qkv_norm_rope_ref),
+        (qkr.qkv_norm_rope_op(False), heads_major, qkr.qkv_norm_rope_ref),
     )
     for op, launch, reference in forms:
         compiled = torch.compile(lambda *a, op=op: op(*a, 1e-6, 16, 8), dynamic=False)

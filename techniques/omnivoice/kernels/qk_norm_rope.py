@@ -22,7 +22,7 @@ N >= (hq + 2 hkv) * D). Attention then reads three [B, hq, S, D] tensors with no
 They come back tokens-major: contiguous [B, S, hq, D], which the caller transposes to
 [B, hq, S, D] views for attention. SDPA's cuDNN and flash paths write their output in q's
 layout, so attention's output is then already [B, S, hq * D] memory for o_proj, with no
-copy. `qkv_norm_rope_heads_major` returns contiguous [B, hq, S, D] instead.
+copy. With tokens_major=False it returns contiguous [B, hq, S, D] instead.
 
 Why
 ---
@@ -42,19 +42,16 @@ inside its graph instead of breaking the graph around an opaque call.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import interpreting
+
 MAX_HEADS = 64
 MAX_HEAD_DIM = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -176,7 +173,7 @@ def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int, with_v: bool) -
     tensors = (qkv, q_weight, k_weight, cos, sin)
     if len({t.device for t in tensors}) != 1:
         raise ValueError("qk_norm_rope: tensors on different devices")
-    if qkv.device.type != "cuda" and not _interpreting():
+    if qkv.device.type != "cuda" and not interpreting():
         raise ValueError(f"qk_norm_rope: needs CUDA (or TRITON_INTERPRET=1), got {qkv.device}")
     return d
 
@@ -236,26 +233,13 @@ def qkv_norm_rope(
     eps: float,
     hq: int,
     hkv: int,
+    tokens_major: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract's second form: q, k and v, k and v repeated to hq heads, each a
-    contiguous [B, S, hq, D] (tokens-major: transpose(1, 2) for attention)."""
+    contiguous [B, S, hq, D] (tokens-major: transpose(1, 2) for attention); with
+    tokens_major=False each a contiguous [B, hq, S, D] (session 14's layout, for A/Bs)."""
     return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
-                   True, True)  # fmt: skip
-
-
-def qkv_norm_rope_heads_major(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    hq: int,
-    hkv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv_norm_rope with contiguous [B, hq, S, D] outputs (session 14's layout, for A/Bs)."""
-    return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
-                   True, False)  # fmt: skip
+                   True, tokens_major)  # fmt: skip
 
 
 def qk_norm_rope_ref(
@@ -338,5 +322,5 @@ def qk_norm_rope_op():
 
 def qkv_norm_rope_op(tokens_major: bool = True):
     """`qkv_norm_rope` as `torch.ops.orchestrate.ov_qkv_norm_rope` (see qk_norm_rope_op);
-    tokens_major=False: `qkv_norm_rope_heads_major` as `..._heads_major`."""
+    tokens_major=False: its heads-major form as `..._heads_major`."""
     return _op(True, tokens_major)

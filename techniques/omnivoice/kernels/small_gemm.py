@@ -26,12 +26,13 @@ the L2); the packed forward takes it only if that sweep says it wins.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ._common import interpreting
 
 # The packed backbone's weights a layer, (N, K), at OmniVoice's real size (Qwen3-0.6B)
 OV_SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
@@ -71,19 +72,15 @@ def _gemm_kernel(
         k = k0 + i
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=m_mask, other=0.0)
         b = tl.load(w_cols + (k + offs_k)[:, None], mask=n_mask, other=0.0)
-        if UPCAST:  # the interpreter's tl.dot misreads 16-bit floats (see _interpreting)
+        # Under Triton's CPU interpreter (triton 3.x) tl.dot of bf16 tiles returns garbage
+        # (~1e10 for unit inputs): there the operands go to fp32 first, so the interpreter
+        # checks the indexing, masks and K split; the bf16 product is checked on the GPU.
+        if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     out = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask & n_mask)
-
-
-def _interpreting() -> bool:
-    """Under Triton's CPU interpreter (triton 3.x) tl.dot of bf16 tiles returns garbage
-    (~1e10 for unit inputs), so there the operands go to fp32 first: the interpreter checks the
-    indexing, masks and K split; the bf16 product itself is checked on the GPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
@@ -94,7 +91,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
         raise ValueError("small_gemm: x's and w's last dims must be contiguous")
     if x.dtype != w.dtype:
         raise ValueError(f"small_gemm: x is {x.dtype}, w is {w.dtype}")
-    if x.device != w.device or (x.device.type != "cuda" and not _interpreting()):
+    if x.device != w.device or (x.device.type != "cuda" and not interpreting()):
         raise ValueError(f"small_gemm: needs both on one CUDA device, got {x.device}, {w.device}")
     k, s, bk = x.shape[1], config.split_k, config.block_k
     if s < 1 or k % (s * bk):
@@ -114,7 +111,7 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Te
     _gemm_kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(1), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        K_PER_SPLIT=k // s, UPCAST=_interpreting() and x.dtype != torch.float32,
+        K_PER_SPLIT=k // s, UPCAST=interpreting() and x.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out[0] if s == 1 else out.sum(0, dtype=torch.float32).to(x.dtype)
