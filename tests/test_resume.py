@@ -146,7 +146,7 @@ def test_a_killed_run_resumes_to_one_whole_result(env: dict[str, str], tmp_path:
 
 
 @pytest.mark.slow
-def test_a_resume_on_a_slower_host_is_marked_noisy(env: dict[str, str], tmp_path: Path) -> None:
+def test_a_resume_on_a_faster_host_is_marked_noisy(env: dict[str, str], tmp_path: Path) -> None:
     """Each utterance keeps the single-thread speed of the host that timed it; a resume on a
     host 10x as fast as the killed run's (its journal edited to say so) finishes, and the run
     says its figures mix hosts instead of quoting them as one host's."""
