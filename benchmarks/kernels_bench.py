@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
 
+from orchestrate.api.device import graph_ms_per_call, l2_copies
 from orchestrate.techniques.rumik.kernels import decode_attention as attn
 from orchestrate.techniques.rumik.kernels import int6_gemv as g6
 from orchestrate.techniques.rumik.kernels import int8_gemv as gemv
 from orchestrate.techniques.rumik.kernels import rope_norm as rn
 from orchestrate.techniques.rumik.kernels import sampler as samp
-from orchestrate.techniques.rumik.kernels._common import graph_ms_per_call, l2_copies
 
 DEV = torch.device("cuda:0")  # str(DEV) must match tensors' device keys (tuning cache)
 BF16 = torch.bfloat16

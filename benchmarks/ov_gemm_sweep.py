@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from orchestrate.api.device import graph_ms_per_call, l2_copies
 from orchestrate.running.environment import capture
 from orchestrate.techniques.omnivoice.kernels import small_gemm as sg
-from orchestrate.techniques.rumik.kernels.int8_gemv import graph_ms_per_call, l2_copies
 
 CONFIGS = tuple(
     sg.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st)

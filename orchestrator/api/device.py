@@ -16,13 +16,18 @@ loop, differenced between two lengths so prefill, the first step and one-off wor
   count once). Beside the wall time per token it says how much of a step is host work:
   for stock, most of it. Left out when the profiler saw no device activity (while_graph).
 
+`interpreting`, `l2_copies` and `graph_ms_per_call` serve kernel modules and their sweeps:
+Triton's CPU interpreter, and a kernel's GPU time from CUDA-graph replay beyond the L2.
+
 `graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
 keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,3 +132,43 @@ def graph_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int:
 def _check(cudart: Any, err: Any, what: str) -> None:
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"{what} failed: {err}")
+
+
+# --------------------------------------------------------------------------- kernel timing
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def l2_copies(device: torch.device, nbytes: int, factor: int = 4) -> int:
+    """How many copies of an nbytes operand together exceed `factor` x the device's L2."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    return max(1, math.ceil(factor * l2 / max(1, nbytes)))
+
+
+def graph_ms_per_call(calls: Sequence[Callable[[], object]], replays: int = 10) -> float:
+    """Mean ms per call of `calls` captured back to back in one CUDA graph.
+
+    Graph replay removes the host launch cost (the Python wrappers take tens of microseconds,
+    more than the kernels), so this times the GPU work and the launch gaps a graph keeps.
+    Give calls over operand copies larger than the L2 to time HBM traffic.
+    """
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * len(calls))

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from orchestrate.api.device import interpreting
 
 MAX_HEADS = 64
 MAX_HEAD_DIM = 256

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from orchestrate.api.device import interpreting
 
 # The packed backbone's weights a layer, (N, K), at OmniVoice's real size (Qwen3-0.6B)
 OV_SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),

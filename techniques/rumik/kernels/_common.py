@@ -6,19 +6,15 @@ importing this module never needs a GPU.
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Callable, Sequence
-
 import torch
+
+# interpreting, l2_copies and graph_ms_per_call serve every family's kernels: orchestrate.api
+from orchestrate.api.device import graph_ms_per_call, interpreting, l2_copies
 
 # Dtypes the kernels accept for activations (weights of the GEMV are int8).
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["FLOAT_DTYPES", "graph_ms_per_call", "interpreting", "l2_copies"]
 
 
 def patch_interpreter_scalars() -> None:
@@ -120,35 +116,3 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def l2_copies(device: torch.device, nbytes: int, factor: int = 4) -> int:
-    """How many copies of an nbytes operand together exceed `factor` x the device's L2."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
-    return max(1, math.ceil(factor * l2 / max(1, nbytes)))
-
-
-def graph_ms_per_call(calls: Sequence[Callable[[], object]], replays: int = 10) -> float:
-    """Mean ms per call of `calls` captured back to back in one CUDA graph.
-
-    Graph replay removes the host launch cost (the Python wrappers take tens of microseconds,
-    more than the kernels), so this times the GPU work and the launch gaps a graph keeps.
-    Give calls over operand copies larger than the L2 to time HBM traffic.
-    """
-    for call in calls:  # compile and allocate outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * len(calls))
