@@ -9,7 +9,10 @@ A candidate goes dev -> fresh -> gate, and is judged after each:
   way), and its quality path holds: `remeasure`; a crash: `error`; a guard: `invalid`; else
   `drop`.
 - fresh: the same job on fresh seeds (never the workload's). Still faster beyond the bar
-  and not noisy: `gate`; else `drop`.
+  and not noisy: `gate`. Noisy but possibly faster: `remeasure` once more on other fresh
+  seeds (a contended machine must not ledger a real gain as lost: the identity of a
+  dropped candidate is never run again), or `drop` (cause NOISY) when that was the retry;
+  else `drop`.
 - gate: research.gate.run_gate decides `accept` or `retain` (the holdout opens only there).
 
 Quality paths: a stack whose techniques all declare exact needs its exactness measured
@@ -34,6 +37,7 @@ from orchestrate.api.records import FidelityRecord, StackResult
 from orchestrate.research import decide
 from orchestrate.research.scoring_run import StackQuality
 from orchestrate.running import metrics
+from orchestrate.store.decisions import NOISY
 
 EXACT = "exact: fidelity measured within tolerance"
 FIDELITY = "approximate on random weights: the protocol's fidelity thresholds"
@@ -71,8 +75,10 @@ def judge_measured(
     noisy: list[str],
     random_weights: bool,
     change: str = "",
+    retry_noise: bool = False,
 ) -> Step:
-    """The decision after a dev or fresh job: error, invalid, drop, remeasure or gate."""
+    """The decision after a dev or fresh job: error, invalid, drop, remeasure or gate.
+    `retry_noise`: a noisy fresh job may send the candidate to one more (its first did)."""
     if cand.status in ("failed", "refused"):
         return Step(phase, "error", f"{cand.status}: {cand.error}")
     if cand.status == "partial":
@@ -85,21 +91,23 @@ def judge_measured(
     check = decide.speed_check(phase, parent, cand, protocol.speed, protocol.speed_metric)
     numbers = speed_numbers(check)
     noise = f"noisy run, speed not established: {'; '.join(noisy)}"
-    # A noisy dev job establishes nothing either way: one that may still be faster (its CI
-    # reaches above the bar) goes to the fresh remeasure, which must be clean to pass.
-    maybe = phase == "dev" and noisy and check.n_pairs > 0 and check.ci_high > check.threshold
+    # A noisy job establishes nothing either way: one that may still be faster (its CI
+    # reaches above the bar) goes to a fresh-seed job, which must be clean to pass; a noisy
+    # fresh job gets one more, and a second noisy one drops it as noisy, not as slower.
+    maybe = bool(noisy) and check.n_pairs > 0 and check.ci_high > check.threshold
+    if maybe and phase != "dev" and not retry_noise:
+        return Step(phase, "drop", f"{check.reason()}; {noise}", NOISY, numbers=numbers)
     if not check.passed and not maybe:
         why = check.reason() + ablation_note(change, check) + (f"; {noise}" if noisy else "")
         return Step(phase, "drop", why, decide.speed_cause(check), numbers=numbers)
-    if noisy and phase != "dev":  # the fresh remeasure is the one that must be clean
-        return Step(phase, "drop", f"{check.reason()}; {noise}", "slower", numbers=numbers)
     path, why_not = quality_path(cand, stock, protocol, random_weights)
     if why_not:
         return Step(phase, "drop", f"{check.reason()}; {why_not}", "gate", path, numbers)
-    nxt: Decision = "remeasure" if phase == "dev" else "gate"
+    nxt: Decision = "remeasure" if phase == "dev" or noisy else "gate"
     why = f"{check.reason()}; quality: {path}"
     if noisy:
-        why += f"; noisy run ({'; '.join(noisy)}): fresh seeds settle it"
+        again = "fresh seeds settle it" if phase == "dev" else "one more fresh job settles it"
+        why += f"; noisy run ({'; '.join(noisy)}): {again}"
     return Step(phase, nxt, why, None, path, numbers)
 
 

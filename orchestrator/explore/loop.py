@@ -60,6 +60,7 @@ from orchestrate.store.errors import StoreError
 
 PROPOSALS_PER_ASK = 4  # how many stacks a proposer is asked for at a time (queued)
 PROPOSER_FAILURES = 2  # a proposer failing this often in a row is not asked again
+RETRY_DRAW = 10_000  # a noisy fresh job's retry draws seeds beyond any candidate number
 COMBINE = "combine"  # the proposer name of the loop's own candidates: a round's winners together
 
 
@@ -258,9 +259,10 @@ class Explorer:
         done: list[dict[str, Any]] = []
         live = list(cands)
         winners: list[dict[str, Any]] = []
-        for phase in ("dev", "fresh"):
+        # The second fresh job remeasures the first's noisy ones (decisions: retry_noise).
+        for phase, again in (("dev", False), ("fresh", False), ("fresh", True)):
             group = [c for c in live if _next_phase(c) == phase]
-            if phase == "fresh":
+            if phase == "fresh" and not again:
                 group = self._fresh_group(group, winners, done)
                 ids = {c["id"] for c in live}
                 live += [c for c in group if c["id"] not in ids]  # the combination, if any
@@ -364,7 +366,7 @@ class Explorer:
         outcome = self._recover(group, phase)
         if outcome is None:
             try:
-                job = self._plan(specs, phase, min(c["seq"] for c in group))
+                job = self._plan(specs, phase, _draw(group))
             except (StackError, ConfigError, ValueError) as exc:
                 return [Step(phase, "error", f"does not plan: {exc}", "refused")] * len(group)
             for cand in group:
@@ -389,7 +391,7 @@ class Explorer:
             why = self._spent(1, [cand["stack_name"]])
             if why is None:
                 try:
-                    job = self._plan([spec], phase, cand["seq"])
+                    job = self._plan([spec], phase, _draw([cand]))
                 except (StackError, ConfigError, ValueError) as exc:
                     why = f"does not plan alone: {exc}"
             if why is not None:
@@ -419,6 +421,7 @@ class Explorer:
             noisy=metrics.result_noise(out.result, out.comparisons),
             random_weights=self.random_weights,
             change=cand["change"],
+            retry_noise=phase == jobs.FRESH and _fresh_run_id(cand) is None,
         )
         numbers = step.numbers | headline_numbers(comparison)
         return replace(step, run_id=out.run_id, numbers=numbers)
@@ -631,10 +634,12 @@ class Explorer:
     def _record_step(self, cand: dict[str, Any], step: Step) -> dict[str, Any]:
         steps = [*cand["steps"], step.to_dict()]
         runs = [*cand["run_ids"], *step.other_runs, *([step.run_id] if step.run_id else [])]
-        self.s.store.update_candidate(cand["id"], steps=steps, run_ids=runs)
+        # Its job is decided on: no longer in flight (a noisy fresh job's retry is a new one)
+        fields = {"steps": steps, "run_ids": runs, "job_id": None}
+        self.s.store.update_candidate(cand["id"], **fields)
         if step.phase in ("dev", "fresh", "gate"):
             self.s.say(f"#{cand['seq']} {step.phase}: {step.decision}: {step.reason}")
-        return cand | {"steps": steps, "run_ids": runs}
+        return cand | fields
 
     def _decide(self, cand: dict[str, Any], step: Step, recorded: bool = False) -> dict[str, Any]:
         """The candidate's final decision: its row `decided`, a rejection in the failures
@@ -866,6 +871,13 @@ def _next_phase(cand: dict[str, Any]) -> str | None:
     if last is not None:
         return NEXT_PHASE.get(last["decision"])
     return "fresh" if cand["proposer"] == COMBINE else "dev"
+
+
+def _draw(group: list[dict[str, Any]]) -> int:
+    """What a job's fresh seeds are drawn from (jobs.fresh_workload): the lowest candidate
+    number in it, shifted by RETRY_DRAW when it retries a noisy fresh job (other seeds)."""
+    retry = any(_fresh_run_id(c) for c in group)
+    return min(c["seq"] for c in group) + (RETRY_DRAW if retry else 0)
 
 
 def _fresh_run_id(cand: dict[str, Any]) -> str | None:
