@@ -1,6 +1,7 @@
 """Time OmniVoice's four packed GEMMs a layer: cuBLAS against small_gemm's split-K configs.
 
     python benchmarks/ov_gemm_sweep.py --out ov_gemm_sweep.json [--rows 156]
+        [--stack-out benchmarks/stacks/ov-best-packed-gemm.yaml --min-gain 1.05]
 
 For each weight of techniques/omnivoice/kernels/small_gemm.OV_SHAPES, x [rows, K] bf16 (156:
 ov-tput's CFG pair of 78 positions): F.linear (what the packed forward runs, cuBLAS) and
@@ -9,6 +10,10 @@ replays over weight copies that together exceed the L2 four times (each layer's 
 are read from HBM in the real forward). Reports us per call, achieved GB/s over the bytes
 moved (weight, x, y) and its fraction of the copy ceiling the environment measures. A
 profile for choosing a config, not a headline: a forward's time is `orchestrate run`'s.
+
+--stack-out writes the base stack (ov-best-packed-qkv) with ov_packed_projections'
+`small_gemm` set for each shape whose fastest config beats cuBLAS by --min-gain or more,
+for the A/B that decides (nothing is written when no shape does).
 """
 
 from __future__ import annotations
@@ -64,10 +69,43 @@ def time_shape(x: torch.Tensor, w: torch.Tensor, ceiling: float) -> tuple[list, 
     return sorted(rows, key=lambda r: r["us"]), refused
 
 
+def write_stack(report: dict, base: Path, out: Path, min_gain: float) -> None:
+    """The base stack with small_gemm where the sweep says it wins, or nothing (said)."""
+    import yaml
+
+    chosen, why = {}, []
+    for shape in report["shapes"]:
+        cublas = next(r for r in shape["rows"] if r["kernel"] == "cublas")
+        best = next((r for r in shape["rows"] if r["kernel"] == "small_gemm"), None)
+        if best is not None and cublas["us"] / best["us"] >= min_gain:
+            chosen[shape["name"]] = best["config"]
+            why.append(f"{shape['name']} {cublas['us']:.2f} -> {best['us']:.2f} us")
+    if not chosen:
+        print(f"\nno shape's best config beats cuBLAS by {min_gain}x: no stack written")
+        return
+    stack = yaml.safe_load(base.read_text())
+    packed = next(t for t in stack["techniques"] if t["name"] == "ov_packed_projections")
+    packed.setdefault("params", {})["small_gemm"] = chosen
+    stack["name"] = out.stem
+    stack["description"] = (
+        f"{stack['name']} = {base.stem} with small_gemm where benchmarks/ov_gemm_sweep.py "
+        f"timed a config {min_gain}x or more faster than cuBLAS at {report['rows']} rows "
+        f"(CUDA-graph replay, weights beyond the L2): {'; '.join(why)}. "
+        f"{report['environment'].get('device_name')}, code {report['environment'].get('git_sha')}."
+    )
+    out.write_text(yaml.safe_dump(stack, sort_keys=False, width=92))
+    print(f"\nwrote {out}: small_gemm for {', '.join(chosen)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", type=int, default=156, help="M: 2 x positions (the CFG pair)")
+    ap.add_argument("--stack-out", type=Path, help="write the winners' stack here")
+    ap.add_argument("--base-stack", type=Path,
+                    default=Path("benchmarks/stacks/ov-best-packed-qkv.yaml"))  # fmt: skip
+    ap.add_argument("--min-gain", type=float, default=1.05,
+                    help="cuBLAS us / config us a shape needs to take small_gemm")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     env = capture("cuda", "none")  # measures the copy ceiling as the worker does
@@ -88,6 +126,8 @@ def main() -> None:
             print(f"  {r['us']:7.2f} us {r['of_copy']:5.0%} err {r['rel_err']:.1e} "
                   f"{r['kernel']} {r['config'] or ''}")  # fmt: skip
         args.out.write_text(json.dumps(report, indent=2))  # after each shape: a cut call keeps it
+    if args.stack_out:
+        write_stack(report, args.base_stack, args.stack_out, args.min_gain)
 
 
 if __name__ == "__main__":

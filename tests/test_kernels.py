@@ -1166,6 +1166,17 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
     assert rel_err(got_hm, want) < 1e-5
     heads = llm.layers[0].self_attn.config
     assert heads.num_attention_heads > heads.num_key_value_heads  # GQA: the repeat is tested
+    # the small_gemm param: each of the four matmuls by the split-K kernel, alone and all
+    cfg = sg.GemmConfig(block_m=16, block_n=16, block_k=16, split_k=2)
+    gemm = functools.partial(sg.small_gemm, config=cfg)
+    names = ("qkv", "o_proj", "gate_up", "down")
+    with torch.inference_mode():
+        for chosen in [(n,) for n in names] + [names]:
+            tokens_major = PackedBackbone(llm, qkr.qkv_norm_rope, True, True,
+                                          dict.fromkeys(chosen, gemm))  # fmt: skip
+            assert rel_err(tokens_major(embeds, mask), want) < 1e-5, chosen
+        modules_path = PackedBackbone(llm, gemms=dict.fromkeys(names, gemm))(embeds, mask)
+    assert rel_err(modules_path, want) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -261,6 +261,51 @@ def test_fused_qkv_layout_without_the_kernel_is_a_conflict(family, model):
         engine_for(family, model, {"name": "ov_packed_projections", "params": params})
 
 
+def test_small_gemm_params_are_checked_and_refused_on_cpu(family, model):
+    """The small_gemm param names the layer's four matmuls (a typo fails at once); on the
+    CPU it is refused, never silently cuBLAS."""
+    from orchestrate.api.technique import Refused
+
+    typo = {"small_gemm": {"o_prj": {"split_k": 2}}}
+    with pytest.raises(StackError, match="o_prj"):
+        engine_for(family, model, {"name": "ov_packed_projections", "params": typo})
+    tiled = {"small_gemm": {"o_proj": {"block_k": 48}}}  # not a tile Triton takes
+    with pytest.raises(StackError, match="block_k"):
+        engine_for(family, model, {"name": "ov_packed_projections", "params": tiled})
+    split = {"small_gemm": {"o_proj": {"split_k": 4, "block_k": 128}, "down": {}}}
+    with pytest.raises(Refused, match="small_gemm needs CUDA and triton"):
+        engine_for(family, model, {"name": "ov_packed_projections", "params": split})
+
+
+def test_small_gemm_op_traces_without_a_gpu():
+    """What torch.compile sees of small_gemm's triton_op: [M, N] in x's dtype, a fresh
+    tensor (not a view: those are cloned around the op under compile), for every split."""
+    import importlib
+    import os
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    from orchestrate.techniques.omnivoice.kernels import small_gemm as sg
+
+    if not isinstance(sg._gemm_kernel, JITFunction):  # interpreted by test_kernels
+        old = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            sg = importlib.reload(sg)
+        finally:
+            if old is not None:
+                os.environ["TRITON_INTERPRET"] = old
+    with FakeTensorMode():
+        x = torch.empty(156, 2048, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda")
+        for split in (1, 4):
+            y = sg.small_gemm_op(x, w, sg.GemmConfig(split_k=split))
+            assert y.shape == (156, 1024) and y.dtype == torch.bfloat16 and y.is_contiguous()
+            assert y._base is None
+        with pytest.raises(ValueError, match="does not split into 3 ranges"):
+            sg.small_gemm_op(x, w, sg.GemmConfig(split_k=3))
+
+
 def test_fused_qk_norm_rope_op_traces_without_a_gpu():
     """What torch.compile sees of the triton_op: its fake version gives [B, H, S, D] q and k
     for CUDA inputs, with no GPU (the launch is skipped under fake tensors)."""
@@ -365,6 +410,46 @@ def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
     # backend writes its output in q's layout (cuDNN; the real shape's profile says which)
     assert kernels["qkv"] <= kernels["hm"], kernels
     print("launches per forward:", kernels)
+
+
+@pytest.mark.gpu
+def test_small_gemm_forward_on_cuda_matches_packed():
+    """bf16 on the GPU, eager and compiled: the packed forward with all four matmuls by
+    small_gemm (split K; the tiny model's K of 64 and 128 in 16-wide chunks) as close to the
+    float32 forward as cuBLAS's packed forward is (within 1.5x, as the fused q/k test)."""
+    from orchestrate.families.omnivoice.engine import build_cfg_batch
+
+    family = get_family("omnivoice")
+    spec = {"family": "omnivoice", "preset": "tiny", "device": "cuda"}
+    model = family.build_model(ModelSpec(**spec, dtype="bfloat16"))
+    model32 = family.build_model(ModelSpec(**spec, dtype="float32"))  # same random weights
+    caps = DeviceCaps.probe("cuda")
+    cfg = {"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2}
+    params = {"fused_qk_norm_rope": True, "fused_qkv_layout": True,
+              "small_gemm": dict.fromkeys(("qkv", "o_proj", "gate_up", "down"), cfg)}  # fmt: skip
+    plain = engine_for(family, model, {"name": "ov_packed_projections"}, caps=caps)
+    eng = engine_for(family, model, {"name": "ov_packed_projections", "params": params}, caps=caps)
+    ref = engine_for(family, model32, {"name": "ov_packed_projections"}, caps=caps)
+    task = model.ov._preprocess_all(text=[TEXT])
+    batch = build_cfg_batch(plain, task, plain.config())
+    args = (batch.input_ids, batch.audio_mask, batch.attention_mask)
+    with torch.inference_mode():
+        want = ref.forward(*args).float()
+        plain_out, got = plain.forward(*args).float(), eng.forward(*args).float()
+        compiled = torch.compile(eng.forward, dynamic=False)(*args).float()
+        again = eng.forward(*args).float()
+    assert torch.equal(got, again)  # split K, the partials summed once: deterministic
+    scale = float(want.std())
+
+    def errors(x: torch.Tensor) -> tuple[float, float]:
+        d = (x - want).abs()
+        return float(d.max()) / scale, float(d.mean()) / scale
+
+    plain_err = errors(plain_out)
+    assert plain_err[0] < 0.1, plain_err
+    for out in (got, compiled):
+        err = errors(out)
+        assert err[0] <= 1.5 * plain_err[0] and err[1] <= 1.5 * plain_err[1], (err, plain_err)
 
 
 def test_packed_projections_fill_the_forward_before_compile():

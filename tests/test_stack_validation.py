@@ -201,3 +201,37 @@ def test_every_shipped_stack_file_builds(path: str) -> None:
     spec = load_stack(path)
     built = sorted(t.name for t in build_stack(spec).techniques)
     assert built == sorted(ref.name for ref in spec.techniques), path  # stock ones are empty
+
+
+def test_the_gemm_sweeps_stack_takes_only_the_shapes_that_won(tmp_path: Path):
+    """benchmarks/ov_gemm_sweep.py --stack-out: the base stack with small_gemm where the
+    fastest config beat cuBLAS by the margin, as params ov_packed_projections accepts; and
+    no file at all when nothing won (an A/B of an unchanged stack would decide nothing)."""
+    import importlib.util
+
+    root = Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("sweep", root / "benchmarks/ov_gemm_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)  # type: ignore[union-attr]
+    cfg = {"block_m": 32, "block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4,
+           "num_stages": 4}  # fmt: skip
+
+    def shape(name: str, cublas_us: float, best_us: float) -> dict:
+        rows = [{"kernel": "cublas", "config": None, "us": cublas_us},
+                {"kernel": "small_gemm", "config": cfg, "us": best_us}]  # fmt: skip
+        return {"name": name, "rows": sorted(rows, key=lambda r: r["us"])}
+
+    report = {"rows": 156, "environment": {"device_name": "NVIDIA H200", "git_sha": "abc"},
+              "shapes": [shape("qkv", 5.0, 4.0), shape("o_proj", 6.0, 5.9),
+                         shape("down", 4.0, 7.0)]}  # fmt: skip
+    base, out = root / "benchmarks/stacks/ov-best-packed-qkv.yaml", tmp_path / "ov-gemm.yaml"
+    sweep.write_stack(report, base, out, 1.05)
+    written = load_stack(str(out))
+    packed = next(t for t in written.techniques if t.name == "ov_packed_projections")
+    assert packed.params["small_gemm"] == {"qkv": cfg}  # 1.25x took it; 1.02x and slower not
+    assert packed.params["fused_qkv_layout"] is True  # the rest of the base stack kept
+    assert [t.name for t in written.techniques] == [t.name for t in load_stack(str(base)).techniques]
+    build_stack(written)  # the params validate
+    none = tmp_path / "none.yaml"
+    sweep.write_stack(report | {"shapes": report["shapes"][1:]}, base, none, 1.05)
+    assert not none.exists()

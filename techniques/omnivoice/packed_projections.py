@@ -13,14 +13,30 @@ real size in bf16. Exact up to summation order, which fidelity measures.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrate.api.technique import Refused, Technique, TechniqueParams
 from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
+
+GemmName = Literal["qkv", "o_proj", "gate_up", "down"]  # kernels/small_gemm.OV_SHAPES
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], w [N, K]) -> [M, N]
+
+
+class GemmParams(BaseModel):
+    """One kernels/small_gemm.GemmConfig: tile sizes, K split, warps and stages."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    block_m: Literal[16, 32, 64, 128] = 64
+    block_n: Literal[16, 32, 64, 128, 256] = 64
+    block_k: Literal[16, 32, 64, 128, 256] = 64
+    split_k: int = Field(1, ge=1, le=16)
+    num_warps: Literal[1, 2, 4, 8] = 4
+    num_stages: int = Field(4, ge=1, le=8)
 
 
 class PackedParams(TechniqueParams):
@@ -41,6 +57,13 @@ class PackedParams(TechniqueParams):
         "3's layout, kept for A/Bs) instead of tokens-major [B, S, H, D] memory, whose "
         "attention output o_proj reads without a copy.",
     )
+    small_gemm: dict[GemmName, GemmParams] = Field(
+        default_factory=dict,
+        description="These of the layer's four matmuls run kernels/small_gemm.py's split-K "
+        "Triton GEMM with the config given (benchmarks/ov_gemm_sweep.py picks them), the "
+        "rest cuBLAS. CUDA only, refused elsewhere; a split that leaves a partial K chunk "
+        "is refused when applied.",
+    )
 
     @model_validator(mode="after")
     def _layout_needs_the_kernel(self) -> PackedParams:
@@ -59,7 +82,7 @@ class PackedBackbone:
 
     def __init__(
         self, llm: Any, qk_norm_rope: Any = None, qkv_layout: bool = False,
-        tokens_major: bool = False,
+        tokens_major: bool = False, gemms: dict[str, Gemm] | None = None,
     ):  # fmt: skip
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
@@ -86,6 +109,7 @@ class PackedBackbone:
         self.qkv_layout = qkv_layout  # the op returns q, k, v with k and v at q's head count
         self.tokens_major = tokens_major  # ... as [B, S, H, D] (else [B, H, S, D])
         self.heads = (self.qkv_sizes[0] // a0.head_dim, self.qkv_sizes[1] // a0.head_dim)
+        self.gemms = gemms or {}  # OV_SHAPES name -> its GEMM; any other: F.linear (cuBLAS)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.qkv, *self.gate_up))
@@ -100,10 +124,17 @@ class PackedBackbone:
         x = embeds
         for i, layer in enumerate(llm.layers[: llm.config.num_hidden_layers]):
             x = x + self.attention(i, layer, layer.input_layernorm(x), mask, cos_sin)
-            h = F.linear(layer.post_attention_layernorm(x), self.gate_up[i])
+            h = self.linear("gate_up", layer.post_attention_layernorm(x), self.gate_up[i])
             gate, up = h.split(self.intermediate, dim=-1)
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            x = x + self.linear("down", layer.mlp.act_fn(gate) * up, layer.mlp.down_proj.weight)
         return llm.norm(x)
+
+    def linear(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w.T (Qwen3's projections have no biases) by the GEMM chosen for `name`."""
+        gemm = self.gemms.get(name)
+        if gemm is None:
+            return F.linear(x, w)
+        return gemm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
     def attention(
         self, i: int, layer: Any, xn: torch.Tensor, mask: Any, cos_sin: Any
@@ -112,7 +143,7 @@ class PackedBackbone:
 
         a = layer.self_attn
         shape = (*xn.shape[:-1], -1, a.head_dim)
-        qkv = F.linear(xn, self.qkv[i])
+        qkv = self.linear("qkv", xn, self.qkv[i])
         if self.qkv_layout:
             q, k, v = self.qk_norm_rope(qkv, a.q_norm.weight, a.k_norm.weight, *cos_sin,
                                         a.q_norm.variance_epsilon, *self.heads)  # fmt: skip
@@ -124,7 +155,8 @@ class PackedBackbone:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=0.0, scale=a.scaling, is_causal=causal
             ).transpose(1, 2)
-            return a.o_proj(out.reshape(*xn.shape[:-1], -1).contiguous())
+            flat = out.reshape(*xn.shape[:-1], -1).contiguous()
+            return self.linear("o_proj", flat, a.o_proj.weight)
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(shape).transpose(1, 2)
         if self.qk_norm_rope is not None:
@@ -135,7 +167,7 @@ class PackedBackbone:
             k = a.k_norm(k.view(shape)).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, *cos_sin)
         out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, sliding_window=None)
-        return a.o_proj(out.reshape(*xn.shape[:-1], -1).contiguous())
+        return self.linear("o_proj", out.reshape(*xn.shape[:-1], -1).contiguous(), a.o_proj.weight)
 
 
 def packed_forward(ov: Any, backbone: PackedBackbone):
@@ -158,8 +190,9 @@ class PackedProjections(Technique):
     summary = "the backbone's q/k/v and gate/up in one matmul each (3 launches fewer a layer)"
     # 2: the fused_qk_norm_rope param, 3: fused_qkv_layout, 4: its outputs tokens-major
     # (qkv_heads_major: version 3's), 5: ... returned as [B, S, H, D] tensors, not views
-    # (4's views were cloned under compile); every param off is version 1's forward
-    version = 5
+    # (4's views were cloned under compile), 6: the small_gemm param; every param off is
+    # version 1's forward
+    version = 6
     Params = PackedParams
 
     @classmethod
@@ -173,8 +206,33 @@ class PackedProjections(Technique):
         tokens_major = p.fused_qkv_layout and not p.qkv_heads_major
         if p.fused_qk_norm_rope:
             op = fused_qk_norm_rope(ov.llm, p.fused_qkv_layout, tokens_major)
-        backbone = PackedBackbone(ov.llm, op, p.fused_qkv_layout, tokens_major)
+        gemms = small_gemms(ov.llm, p.small_gemm) if p.small_gemm else None
+        backbone = PackedBackbone(ov.llm, op, p.fused_qkv_layout, tokens_major, gemms)
         engine.forward = packed_forward(ov, backbone)
+
+
+def small_gemms(llm: Any, configs: dict[GemmName, GemmParams]) -> dict[str, Gemm]:
+    """small_gemm's torch op bound to each configured matmul, or Refused with the reason:
+    not on CUDA, or a config whose K split leaves a partial chunk at this model's sizes."""
+    import functools
+    import importlib.util
+
+    if llm.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        raise Refused(f"small_gemm needs CUDA and triton (the model is on {llm.device})")
+    from orchestrate.techniques.omnivoice.kernels import small_gemm as sg
+
+    layer = llm.layers[0]
+    k = {"qkv": llm.config.hidden_size, "gate_up": llm.config.hidden_size,
+         "o_proj": layer.self_attn.o_proj.in_features,
+         "down": layer.mlp.down_proj.in_features}  # fmt: skip
+    out: dict[str, Gemm] = {}
+    for name, params in configs.items():
+        cfg = sg.GemmConfig(**params.model_dump())
+        if k[name] % (cfg.split_k * cfg.block_k):
+            raise Refused(f"small_gemm {name}: K={k[name]} does not split into "
+                          f"{cfg.split_k} ranges of whole {cfg.block_k}-wide chunks")  # fmt: skip
+        out[name] = functools.partial(sg.small_gemm_op, config=cfg)
+    return out
 
 
 def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False, tokens_major: bool = True) -> Any:

@@ -19,14 +19,17 @@ us each (session 15's profile, benchmarks/h200/issue14-s15-qkv5-profile.json): o
 its 4.2 MB at about 0.6 TB/s, because 156 x 1024 outputs in 64 x 128 tiles are only 24
 programs for 132 SMs. Splitting K multiplies the programs that stream w.
 
-Not yet wired into a technique: benchmarks/ov_gemm_sweep.py times its configs against cuBLAS
-at those four shapes on the H200 first (CUDA-graph replay over weight copies larger than
-the L2); the packed forward takes it only if that sweep says it wins.
+benchmarks/ov_gemm_sweep.py times its configs against cuBLAS at those four shapes on the H200
+(CUDA-graph replay over weight copies larger than the L2); ov_packed_projections takes a
+config per shape (its `small_gemm` param, through `small_gemm_op`, a torch.library
+triton_op that torch.compile keeps in its graph) only where that sweep says it wins.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import astuple, dataclass
+from typing import Any
 
 import torch
 import triton
@@ -101,20 +104,44 @@ def _check(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
     """The contract above: one launch, plus the partials' sum when split_k > 1."""
+    return _launch(_gemm_kernel, x, w, config)
+
+
+def _launch(kernel: Any, x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """small_gemm with `kernel` the plain jit function or the triton_op's wrapped one."""
     _check(x, w, config)
     (m, k), n, s = x.shape, w.shape[0], config.split_k
+    # Never a view returned: under compile a triton_op's view outputs are cloned around it
     if s == 1:
-        out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:  # fp32 partials, summed below in split order
         out = torch.empty((s, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), s)
-    _gemm_kernel[grid](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(1), out.stride(0),
+    kernel[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), m * n,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         K_PER_SPLIT=k // s, UPCAST=interpreting() and x.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out[0] if s == 1 else out.sum(0, dtype=torch.float32).to(x.dtype)
+    return out if s == 1 else out.sum(0, dtype=torch.float32).to(x.dtype)
+
+
+@functools.cache
+def _op() -> Any:
+    from torch.library import triton_op, wrap_triton
+
+    def launch(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int,
+               split_k: int, num_warps: int, num_stages: int) -> torch.Tensor:  # fmt: skip
+        cfg = GemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
+        return _launch(wrap_triton(_gemm_kernel), x, w, cfg)
+
+    return triton_op("orchestrate::ov_small_gemm", mutates_args=())(launch)
+
+
+def small_gemm_op(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """small_gemm as `torch.ops.orchestrate.ov_small_gemm` (registered on first use): the
+    config goes in as ints, so each config compiles to its own specialised launch."""
+    return _op()(x, w, *astuple(config))
 
 
 def small_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
