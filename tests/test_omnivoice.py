@@ -11,6 +11,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -277,24 +278,31 @@ def test_small_gemm_params_are_checked_and_refused_on_cpu(family, model):
         engine_for(family, model, {"name": "ov_packed_projections", "params": split})
 
 
-def test_small_gemm_op_traces_without_a_gpu():
-    """What torch.compile sees of small_gemm's triton_op: [M, N] in x's dtype, a fresh
-    tensor (not a view: those are cloned around the op under compile), for every split."""
+def _compiled_kernels(module: str, kernel: str) -> Any:
+    """An OmniVoice kernel module with its `kernel` a compiled JITFunction, for fake-tensor
+    traces: test_kernels may have reloaded it under the interpreter (TRITON_INTERPRET)."""
     import importlib
     import os
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
-    from orchestrate.techniques.omnivoice.kernels import small_gemm as sg
+    mod = importlib.import_module(f"orchestrate.techniques.omnivoice.kernels.{module}")
+    if isinstance(getattr(mod, kernel), JITFunction):
+        return mod
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        return importlib.reload(mod)
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
 
-    if not isinstance(sg._gemm_kernel, JITFunction):  # interpreted by test_kernels
-        old = os.environ.pop("TRITON_INTERPRET", None)
-        try:
-            sg = importlib.reload(sg)
-        finally:
-            if old is not None:
-                os.environ["TRITON_INTERPRET"] = old
+
+def test_small_gemm_op_traces_without_a_gpu():
+    """What torch.compile sees of small_gemm's triton_op: [M, N] in x's dtype, a fresh
+    tensor (not a view: those are cloned around the op under compile), for every split."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sg = _compiled_kernels("small_gemm", "_gemm_kernel")
     with FakeTensorMode():
         x = torch.empty(156, 2048, dtype=torch.bfloat16, device="cuda")
         w = torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda")
@@ -309,21 +317,9 @@ def test_small_gemm_op_traces_without_a_gpu():
 def test_fused_qk_norm_rope_op_traces_without_a_gpu():
     """What torch.compile sees of the triton_op: its fake version gives [B, H, S, D] q and k
     for CUDA inputs, with no GPU (the launch is skipped under fake tensors)."""
-    import importlib
-    import os
-
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from triton.runtime.jit import JITFunction
 
-    from orchestrate.techniques.omnivoice.kernels import qk_norm_rope as qkr
-
-    if not isinstance(qkr._qk_norm_rope_kernel, JITFunction):  # interpreted by test_kernels
-        old = os.environ.pop("TRITON_INTERPRET", None)
-        try:
-            qkr = importlib.reload(qkr)
-        finally:
-            if old is not None:
-                os.environ["TRITON_INTERPRET"] = old
+    qkr = _compiled_kernels("qk_norm_rope", "_qk_norm_rope_kernel")
     op = qkr.qk_norm_rope_op()
     with FakeTensorMode():
         qkv = torch.empty(2, 37, 32 * 128, dtype=torch.bfloat16, device="cuda")
