@@ -215,10 +215,8 @@ def small_gemms(llm: Any, configs: dict[GemmName, GemmParams]) -> dict[str, Gemm
     """small_gemm's torch op bound to each configured matmul, or Refused with the reason:
     not on CUDA, or a config whose K split leaves a partial chunk at this model's sizes."""
     import functools
-    import importlib.util
 
-    if llm.device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        raise Refused(f"small_gemm needs CUDA and triton (the model is on {llm.device})")
+    refuse_off_cuda(llm, "small_gemm")
     from orchestrate.techniques.omnivoice.kernels import small_gemm as sg
 
     layer = llm.layers[0]
@@ -228,20 +226,24 @@ def small_gemms(llm: Any, configs: dict[GemmName, GemmParams]) -> dict[str, Gemm
     out: dict[str, Gemm] = {}
     for name, params in configs.items():
         cfg = sg.GemmConfig(**params.model_dump())
-        if k[name] % (cfg.split_k * cfg.block_k):
-            raise Refused(f"small_gemm {name}: K={k[name]} does not split into "
-                          f"{cfg.split_k} ranges of whole {cfg.block_k}-wide chunks")  # fmt: skip
+        if why := sg.split_problem(k[name], cfg):
+            raise Refused(f"small_gemm {name}: {why}")
         out[name] = functools.partial(sg.small_gemm_op, config=cfg)
     return out
 
 
-def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False, tokens_major: bool = True) -> Any:
-    """The fused kernel's torch op for this backbone, or Refused with the reason."""
+def refuse_off_cuda(llm: Any, what: str) -> None:
+    """Refused unless the model is on CUDA and triton is installed: the kernels' need."""
     import importlib.util
 
-    a = llm.layers[0].self_attn
     if llm.device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        raise Refused(f"fused_qk_norm_rope needs CUDA and triton (the model is on {llm.device})")
+        raise Refused(f"{what} needs CUDA and triton (the model is on {llm.device})")
+
+
+def fused_qk_norm_rope(llm: Any, qkv_layout: bool = False, tokens_major: bool = True) -> Any:
+    """The fused kernel's torch op for this backbone, or Refused with the reason."""
+    a = llm.layers[0].self_attn
+    refuse_off_cuda(llm, "fused_qk_norm_rope")
     if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
         raise Refused("fused_qk_norm_rope: the q and k norms have different eps")
     from orchestrate.techniques.omnivoice.kernels import qk_norm_rope as kernels

@@ -96,10 +96,16 @@ def _check(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
         raise ValueError(f"small_gemm: x is {x.dtype}, w is {w.dtype}")
     if x.device != w.device or (x.device.type != "cuda" and not interpreting()):
         raise ValueError(f"small_gemm: needs both on one CUDA device, got {x.device}, {w.device}")
-    k, s, bk = x.shape[1], config.split_k, config.block_k
+    if why := split_problem(x.shape[1], config):
+        raise ValueError(f"small_gemm: {why} ({config})")
+
+
+def split_problem(k: int, config: GemmConfig) -> str | None:
+    """Why `config` cannot run a K of `k` (its split leaves a partial chunk), or None."""
+    s, bk = config.split_k, config.block_k
     if s < 1 or k % (s * bk):
-        raise ValueError(f"small_gemm: K={k} does not split into {s} ranges of whole "
-                         f"{bk}-wide chunks ({config})")  # fmt: skip
+        return f"K={k} does not split into {s} ranges of whole {bk}-wide chunks"
+    return None
 
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
