@@ -39,9 +39,23 @@ CONFIGS = tuple(
         ((16, 64), (32, 64), (64, 64), (32, 128), (64, 128)),
         (64, 128),
         (1, 2, 4, 8),
-        ((4, 4),),
+        ((4, 4), (8, 3), (2, 3), (4, 2)),  # (num_warps, num_stages)
     )
 )
+
+
+def blas(library: str, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """F.linear through one cuBLAS front end (torch.backends.cuda.preferred_blas_library)."""
+
+    def linear(w: torch.Tensor) -> torch.Tensor:
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return F.linear(x, w)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+
+    return linear
 
 
 def time_shape(x: torch.Tensor, w: torch.Tensor, ceiling: float) -> tuple[list, list]:
@@ -59,7 +73,8 @@ def time_shape(x: torch.Tensor, w: torch.Tensor, ceiling: float) -> tuple[list, 
         return {"kernel": label, "config": config, "us": us, "gb_s": gb_s,
                 "of_copy": gb_s / ceiling, "rel_err": err}  # fmt: skip
 
-    rows = [row("cublas", None, lambda c: F.linear(x, c))]
+    rows = [row("cublas", None, lambda c: F.linear(x, c)),  # what the forward runs
+            row("cublaslt", None, blas("cublaslt", x))]
     refused = []
     for cfg in CONFIGS:
         try:
@@ -111,7 +126,8 @@ def main() -> None:
     env = capture("cuda", "none")  # measures the copy ceiling as the worker does
     ceiling = env.copy_gb_s or float("nan")
     report: dict = {"environment": env.model_dump(mode="json"), "copy_gb_s": ceiling,
-                    "rows": args.rows, "shapes": []}  # fmt: skip
+                    "rows": args.rows, "shapes": [],
+                    "default_blas": str(torch.backends.cuda.preferred_blas_library())}  # fmt: skip
     for name, (n, k) in sg.OV_SHAPES.items():
         torch.manual_seed(0)
         x = torch.randn(args.rows, k, device=device, dtype=torch.bfloat16)
@@ -122,7 +138,7 @@ def main() -> None:
                                  "refused": refused})  # fmt: skip
         print(f"\n{name} ({n} x {k}, {args.rows} rows): cuBLAS {cublas['us']:.2f} us "
               f"({cublas['of_copy']:.0%} of copy {ceiling:.0f} GB/s)")  # fmt: skip
-        for r in rows[:6]:
+        for r in rows[:6] + [r for r in rows[6:] if r["kernel"] == "cublaslt"]:
             print(f"  {r['us']:7.2f} us {r['of_copy']:5.0%} err {r['rel_err']:.1e} "
                   f"{r['kernel']} {r['config'] or ''}")  # fmt: skip
         args.out.write_text(json.dumps(report, indent=2))  # after each shape: a cut call keeps it

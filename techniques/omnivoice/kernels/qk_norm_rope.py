@@ -179,7 +179,7 @@ def _check(qkv, q_weight, k_weight, cos, sin, hq: int, hkv: int, with_v: bool) -
 
 
 def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv: int,
-            with_v: bool = False, tokens_major: bool = False):  # fmt: skip
+            with_v: bool = False, tokens_major: bool = False, num_warps: int = 4):  # fmt: skip
     d = _check(qkv, q_weight, k_weight, cos, sin, hq, hkv, with_v)
     if tokens_major and not with_v:
         raise ValueError("qk_norm_rope: the tokens-major layout is the qkv form's (q, k, v)")
@@ -205,7 +205,7 @@ def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv:
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HKV=hkv, HKV_PAD=triton.next_power_of_2(hkv),
         D=d, HALF=half, HALF_PAD=triton.next_power_of_2(half), DTYPE=_TL[qkv.dtype],
         WITH_V=with_v, REP=hq // hkv if with_v else 1, TOKENS_MAJOR=tokens_major,
-        num_warps=4,
+        num_warps=num_warps,  # 4: benchmarks/ov_qkv_warps.py times the others
     )  # fmt: skip
     return out
 
