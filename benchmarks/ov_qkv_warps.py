@@ -5,9 +5,10 @@
 The packed forward launches `qkv_norm_rope` once a layer on [2, 78, 4096] bf16 (ov-tput's CFG
 pair; Qwen3's 16 query and 8 KV heads of 128) with num_warps=4. Session 14 timed it at 3.34 us
 heads-major (v3) and session 15 at 3.88 us tokens-major (v5): this sweep asks whether another
-warp count suits the tokens-major writes. Each launch is checked equal to the shipped one
-(num_warps changes only the schedule), then timed as CUDA-graph replays over input copies
-beyond the L2. A profile for choosing a launch shape, not a headline.
+warp count suits the tokens-major writes. Each launch is compared with the shipped one (the
+norm's sums reduce across warps, so another count may round differently: said per row), then
+timed as CUDA-graph replays over input copies beyond the L2. A profile for choosing a launch
+shape, not a headline.
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ def main() -> None:
 
         shipped = launch(qkv, 4)
         for warps in (1, 2, 4, 8, 16):
-            if not all(torch.equal(a, b) for a, b in zip(launch(qkv, warps), shipped, strict=True)):
-                raise SystemExit(f"num_warps={warps} changed the result")
+            # the norm's sums reduce across warps: another count may round differently
+            got = launch(qkv, warps)
+            pairs = list(zip(got, shipped, strict=True))
+            equal = all(torch.equal(a, b) for a, b in pairs)
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
             us = graph_ms_per_call([lambda c=c, w=warps: launch(c, w) for c in copies]) * 1e3
-            rows.append({"tokens_major": tokens_major, "num_warps": warps, "us": us})
+            rows.append({"tokens_major": tokens_major, "num_warps": warps, "us": us,
+                         "equal_to_4_warps": equal, "max_abs_diff": diff})  # fmt: skip
             print(f"{'tokens-major' if tokens_major else 'heads-major':12s} "
-                  f"num_warps={warps:2d}: {us:6.2f} us")  # fmt: skip
+                  f"num_warps={warps:2d}: {us:6.2f} us  equal to 4 warps: {equal} "
+                  f"(max diff {diff:.3g})")  # fmt: skip
     report = {"environment": env.model_dump(mode="json"), "shape": [B, S, HQ, HKV, D],
               "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2))

@@ -119,6 +119,10 @@ def _qk_norm_rope_kernel(
     """One program per (b, s): q, and k written REP times (HKV * REP heads); with WITH_V,
     v too, also REP times. Without it REP is 1 and v is not read. TOKENS_MAJOR (only with
     WITH_V, where every output has HQ heads): outputs laid out [B, S, HQ, D] in memory."""
+    # Under torch.compile a Python float argument arrives as fp64; left so, it promotes the
+    # norm to fp64, whose one rounding to bf16 differs from eager's fp32-then-bf16 in the
+    # last bit now and then (session 17 on the H200: k 1 ulp apart, compiled against eager)
+    eps = tl.cast(eps, tl.float32)
     b = tl.program_id(0) // S
     s = tl.program_id(0) % S
     row = qkv_ptr + b.to(tl.int64) * stride_qkv_b + s.to(tl.int64) * stride_qkv_s
