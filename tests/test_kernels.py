@@ -1227,7 +1227,8 @@ def test_gpu_small_gemm_at_omnivoice_shapes() -> None:
 @gpu
 def test_qk_norm_rope_op_inside_torch_compile() -> None:
     """The triton_op traced into a compiled graph gives the eager launch's result (bf16, the
-    real head shape), and the eager Qwen3 path's within rounding."""
+    real head shape; bitwise: eps must reach the kernel as fp32 under compile too), and the
+    eager Qwen3 path's within rounding."""
     case = _qkv_case(2, 37, 16, 8, 128, torch.bfloat16, 1)
     heads_major = functools.partial(qkr.qkv_norm_rope, tokens_major=False)
     forms = (
@@ -1236,9 +1237,6 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
         (qkr.qkv_norm_rope_op(False), heads_major, qkr.qkv_norm_rope_ref),
     )
     for form, (op, launch, reference) in enumerate(forms):
-        # Each form compiles afresh: the three lambdas share one code object, and session
-        # 17's device run saw a later form return an earlier form's layout without the reset
-        torch._dynamo.reset()
         compiled = torch.compile(lambda *a, op=op: op(*a, 1e-6, 16, 8), dynamic=False)
         got = compiled(*case)
         eager = launch(*case, 1e-6, 16, 8)
