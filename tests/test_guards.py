@@ -142,19 +142,27 @@ def test_different_audio_or_the_same_input_is_not_flagged():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> ResultRecord:
     """stock and audio_head on the tiny model, 2 prompts x 2 seeds; fidelity fails for
-    audio_head alone (injected), as a technique's broken comparison would."""
+    audio_head alone (injected), as a technique's broken comparison would, and its audio is
+    one fixed clip whatever the input (injected), as a stack serving cached audio would."""
     from orchestrate.api.config import load_model_spec
     from orchestrate.api.protocol import load_protocol
     from orchestrate.families.rumik.family import RumikFamily
     from orchestrate.running import worker
     from orchestrate.running.plan import plan_job
 
-    real = RumikFamily.fidelity
+    real, real_synthesize = RumikFamily.fidelity, RumikFamily.synthesize
+    clip = np.random.default_rng(7).standard_normal(200_000).astype(np.float32)
 
     def fidelity(self, model, engines, workload, steps):
         if "fast" in engines:
             raise RuntimeError("injected: this stack's comparison broke")
         return real(self, model, engines, workload, steps)
+
+    def synthesize(self, engine, text, seed, workload):
+        syn = real_synthesize(self, engine, text, seed, workload)
+        if type(engine.head).__name__ == "AudioRowsHead":  # audio_head's engine: "fast"
+            syn.audio = clip[: syn.audio.size].copy()
+        return syn
 
     wl = Workload(
         name="guards", prompts=[Prompt(id="a", text="A first one."), Prompt(id="b", text="Two.")],
@@ -167,21 +175,28 @@ def tiny_run(tmp_path_factory) -> ResultRecord:
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RumikFamily, "fidelity", fidelity)
+        mp.setattr(RumikFamily, "synthesize", synthesize)
         result = worker.run_job(job)
     result.write(Path(out) / "result.json")
     return result
 
 
-def test_the_tiny_models_input_blind_audio_is_flagged(tiny_run):
-    for res in tiny_run.results:  # random weights: one waveform whatever the prompt
-        same = res.audio_independent_of_input
-        assert same is not None and same.differs_in == "prompt", res.stack.name
-        assert same.max_abs_diff == 0.0 and res.metrics[metrics.SAME_AUDIO] == 1.0
+def test_input_blind_audio_is_flagged_and_the_tiny_models_audio_is_not(tiny_run):
+    """The random-weight model's audio depends on its prompt and seed (its codec's codebooks
+    are seeded: api.family.seed_codebooks), so the guard can tell it from a stack whose
+    audio does not."""
+    stock, fast = tiny_run.results
+    assert stock.audio_independent_of_input is None
+    assert metrics.SAME_AUDIO not in stock.metrics
+    same = fast.audio_independent_of_input
+    assert same is not None and same.differs_in == "prompt"
+    assert same.max_abs_diff == 0.0 and fast.metrics[metrics.SAME_AUDIO] == 1.0
     run = stored(tiny_run)
-    stock = run["stacks"][0]
+    stored_stock, stored_fast = run["stacks"]
     # from the stored rounds alone (no result file beside this store's run): prompt/seed
-    assert any(w.startswith("stock: audio independent of input: a/seed 1 and b/seed 1")
-               for w in stock["warnings"]), stock["warnings"]  # fmt: skip
+    assert any(w.startswith("fast: audio independent of input: a/seed 1 and b/seed 1")
+               for w in stored_fast["warnings"]), stored_fast["warnings"]  # fmt: skip
+    assert not any("independent of input" in w for w in stored_stock["warnings"])
     assert "same audio" in text(tables.stack_table("t", run["stacks"]))
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from orchestrate.api.config import ModelSpec
-from orchestrate.api.family import configs_hash
+from orchestrate.api.family import configs_hash, seed_codebooks
 from orchestrate.families.omnivoice.presets import (
     AUDIO_VOCAB,
     MASK_ID,
@@ -41,7 +41,8 @@ SPECIAL_TOKENS = (
     "<|text_end|>",
 )
 CACHE_ENV = "ORCHESTRATE_CACHE"  # default ~/.cache/orchestrate
-BUILD_VERSION = 1  # bump when the saved folder's layout or contents change
+# bump when the saved folder's layout or contents change (2: seeded codec codebooks)
+BUILD_VERSION = 2
 
 
 class WeightsError(RuntimeError):
@@ -189,7 +190,18 @@ def save_random(preset: OmniVoicePreset, seed: int, folder: Path) -> Path:
             f"preset {preset.name!r}: codec runs at {codec_cfg.frame_rate} fps with "
             f"{codec_cfg.num_quantizers} quantizers; OmniVoice needs 25 fps and 8"
         )
-    HiggsAudioV2TokenizerModel(codec_cfg).save_pretrained(folder / "audio_tokenizer")
+    codec = HiggsAudioV2TokenizerModel(codec_cfg)
+    seed_codebooks(codec)  # else every code decodes to zeros: audio blind to its codes
+    # Decoding is quantizer -> fc2 -> acoustic_decoder. With PyTorch's default (random)
+    # biases there, the random decoder's output is a pattern of its biases: two seeds' clips
+    # on the tiny preset correlated 0.9999998 with seeded codebooks (0.14 with these zeroed),
+    # so the worker's "audio independent of input" guard still flagged every stack.
+    with torch.no_grad():
+        for part in (codec.fc2, codec.acoustic_decoder):
+            for name, param in part.named_parameters():
+                if name.endswith("bias"):
+                    param.zero_()
+    codec.save_pretrained(folder / "audio_tokenizer")
     DacFeatureExtractor(
         sampling_rate=codec_cfg.sample_rate, hop_length=codec_cfg.hop_length
     ).save_pretrained(folder / "audio_tokenizer")

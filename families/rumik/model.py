@@ -17,7 +17,7 @@ from torch import nn
 from transformers import Cohere2Config, Cohere2ForCausalLM, MimiConfig, MimiModel
 
 from orchestrate.api.config import ModelSpec
-from orchestrate.api.family import configs_hash
+from orchestrate.api.family import configs_hash, seed_codebooks
 from orchestrate.families.rumik.presets import PRESETS, RumikPreset
 from orchestrate.families.rumik.vocab import AudioVocab, ByteTokenizer
 
@@ -98,6 +98,7 @@ def build_random(preset: RumikPreset, spec: ModelSpec) -> RumikModel:
         stop = StopHead(preset.lm["hidden_size"], preset.stop_hidden).to(dtype=dtype).eval()
         # Mimi stays fp32, as upstream runs it; its decode is a small share of the time.
         codec = MimiModel(MimiConfig(**preset.mimi)).eval()
+        seed_codebooks(codec)  # else every code decodes to zeros: audio blind to its codes
     return RumikModel(
         lm=lm,
         stop_head=stop,

@@ -36,6 +36,42 @@ def configs_hash(**configs: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def seed_codebooks(codec: Any) -> int:
+    """Give a random-weight codec's vector-quantizer codebooks random entries, from the
+    global (seeded) generator; returns how many it filled.
+
+    transformers builds EMA codebooks (Mimi's, the Higgs audio tokenizer's, Encodec's) as
+    zero buffers that only training fills, so under random weights every code decodes to
+    the same vector: the waveform does not depend on the generated codes, and the worker's
+    "audio independent of input" guard fired for every stack, stock included, which left it
+    blind to a stack that really ignores its input. Raises where no such codebook is found
+    (a renamed buffer would silently bring that back)."""
+    import torch
+
+    filled = 0
+    for module in codec.modules():
+        if not type(module).__name__.endswith("EuclideanCodebook"):
+            continue
+        entries = getattr(module, "embed_sum", None)  # Mimi: embed = embed_sum / usage
+        if entries is None:
+            entries = module.embed  # Higgs, Encodec: the table itself
+        entries.normal_()
+        for stat in ("cluster_usage", "cluster_size"):  # counts, so that embed = entries
+            if isinstance(getattr(module, stat, None), torch.Tensor):
+                getattr(module, stat).fill_(1.0)
+        if isinstance(getattr(module, "embed_avg", None), torch.Tensor):
+            module.embed_avg.copy_(entries)
+        if hasattr(module, "_embed"):
+            module._embed = None  # Mimi caches embed on first use
+        filled += 1
+    if not filled:
+        raise RuntimeError(
+            f"{type(codec).__name__}: no EuclideanCodebook to seed; with random weights its "
+            "audio would not depend on the codes"
+        )
+    return filled
+
+
 @dataclass
 class Synthesis:
     """One timed synthesis. Times are seconds; audio is a CPU float32 waveform."""
