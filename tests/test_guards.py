@@ -136,6 +136,25 @@ def test_different_audio_or_the_same_input_is_not_flagged():
     assert prints(("a", "one", 1, x), ("b", "two", 1, x[:12_000])).find("s") is None  # length
 
 
+def test_seed_codebooks_fills_them_or_says_there_are_none():
+    import torch
+    from transformers import MimiConfig, MimiModel
+
+    from orchestrate.api.family import seed_codebooks
+    from orchestrate.families.rumik.presets import PRESETS
+
+    cfg = MimiConfig(**PRESETS["tiny"].mimi)
+    codec = MimiModel(cfg)
+    layer = codec.quantizer.semantic_residual_vector_quantizer.layers[0].codebook
+    assert not layer.embed.any()  # as transformers builds it: every code the same vector
+    torch.manual_seed(0)
+    assert seed_codebooks(codec) == cfg.num_quantizers
+    assert layer.embed.std() > 0.5
+    assert len(set(map(tuple, layer.embed.tolist()))) == cfg.codebook_size  # all distinct
+    with pytest.raises(RuntimeError, match="no EuclideanCodebook"):
+        seed_codebooks(torch.nn.Linear(2, 2))
+
+
 # ------------------------------------------------------------ a real run of the tiny model
 
 

@@ -125,6 +125,22 @@ def test_seed_changes_codes_and_same_seed_repeats(model):
     assert not torch.equal(codes(eng, seed=1)[0], codes(eng, seed=2)[0])
 
 
+def test_random_weight_audio_follows_the_seed(family, model):
+    """The random codec decodes its codes (seeded codebooks, decode-path biases zeroed): two
+    seeds' clips are not one waveform to the worker's guard. Before, they correlated
+    0.9999998 and every stack, stock included, was flagged `same audio`."""
+    from orchestrate.running.guards import AudioPrints
+
+    wl = Workload.model_validate(
+        workload().model_dump() | {"length_policy": {"mode": "fixed", "frames": 30}}
+    )
+    eng, prints = stock_engine(model), AudioPrints()
+    for rnd, seed in enumerate((11, 12)):
+        syn = family.synthesize(eng, wl.prompts[0].text, seed, wl)
+        prints.add("stock", "p", wl.prompts[0].text, seed, rnd, syn.audio, syn.sample_rate)
+    assert prints.find("stock") is None
+
+
 def test_synthesize_all_modes(family, model, tmp_path):
     import numpy as np
     import soundfile as sf
