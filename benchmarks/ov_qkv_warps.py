@@ -43,8 +43,7 @@ def main() -> None:
     for tokens_major in (True, False):
 
         def launch(x: torch.Tensor, warps: int, tm: bool = tokens_major):
-            return qkr._launch(qkr._qk_norm_rope_kernel, x, qw, kw, cos, sin, 1e-6, HQ, HKV,
-                               True, tm, num_warps=warps)  # fmt: skip
+            return qkr.qkv_norm_rope(x, qw, kw, cos, sin, 1e-6, HQ, HKV, tm, num_warps=warps)
 
         shipped = launch(qkv, 4)
         for warps in (1, 2, 4, 8, 16):

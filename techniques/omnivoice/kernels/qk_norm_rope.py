@@ -209,7 +209,7 @@ def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv:
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HKV=hkv, HKV_PAD=triton.next_power_of_2(hkv),
         D=d, HALF=half, HALF_PAD=triton.next_power_of_2(half), DTYPE=_TL[qkv.dtype],
         WITH_V=with_v, REP=hq // hkv if with_v else 1, TOKENS_MAJOR=tokens_major,
-        num_warps=num_warps,  # 4: benchmarks/ov_qkv_warps.py times the others
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -238,12 +238,15 @@ def qkv_norm_rope(
     hq: int,
     hkv: int,
     tokens_major: bool = True,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract's second form: q, k and v, k and v repeated to hq heads, each a
     contiguous [B, S, hq, D] (tokens-major: transpose(1, 2) for attention); with
-    tokens_major=False each a contiguous [B, hq, S, D] (session 14's layout, for A/Bs)."""
+    tokens_major=False each a contiguous [B, hq, S, D] (session 14's layout, for A/Bs).
+    num_warps: launch shape only (benchmarks/ov_qkv_warps.py times the others; the norm's
+    sums reduce across warps, so another count may round differently)."""
     return _launch(_qk_norm_rope_kernel, qkv, q_weight, k_weight, cos, sin, eps, hq, hkv,
-                   True, tokens_major)  # fmt: skip
+                   True, tokens_major, num_warps)  # fmt: skip
 
 
 def qk_norm_rope_ref(
