@@ -4,12 +4,13 @@
         [--stack-out benchmarks/stacks/ov-best-packed-gemm.yaml --min-gain 1.05]
 
 For each weight of techniques/omnivoice/kernels/small_gemm.OV_SHAPES, x [rows, K] bf16 (156:
-ov-tput's CFG pair of 78 positions): F.linear (what the packed forward runs, cuBLAS) and
-every config below, each checked against the fp32 product first and then timed as CUDA-graph
-replays over weight copies that together exceed the L2 four times (each layer's weights
-are read from HBM in the real forward). Reports us per call, achieved GB/s over the bytes
-moved (weight, x, y) and its fraction of the copy ceiling the environment measures. A
-profile for choosing a config, not a headline: a forward's time is `orchestrate run`'s.
+ov-tput's CFG pair of 78 positions): F.linear (what the packed forward runs, cuBLAS), F.linear
+through cuBLASLt (preferred_blas_library) and every config below, each checked against the
+fp32 product first and then timed as CUDA-graph replays over weight copies that together
+exceed the L2 four times (each layer's weights are read from HBM in the real forward).
+Reports us per call, achieved GB/s over the bytes moved (weight, x, y) and its fraction of
+the copy ceiling the environment measures. A profile for choosing a config, not a
+headline: a forward's time is `orchestrate run`'s.
 
 --stack-out writes the base stack (ov-best-packed-qkv) with ov_packed_projections'
 `small_gemm` set for each shape whose fastest config beats cuBLAS by --min-gain or more,
