@@ -127,8 +127,8 @@ def test_seed_changes_codes_and_same_seed_repeats(model):
 
 def test_random_weight_audio_follows_the_seed(family, model):
     """The random codec decodes its codes (seeded codebooks, decode-path biases zeroed): two
-    seeds' clips are not one waveform to the worker's guard. Before, they correlated
-    0.9999998 and every stack, stock included, was flagged `same audio`."""
+    seeds' clips are not one waveform to the worker's guard. Before, they were byte-identical
+    and every stack, stock included, was flagged `same audio`."""
     from orchestrate.running.guards import AudioPrints
 
     wl = Workload.model_validate(
