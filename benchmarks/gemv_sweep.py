@@ -8,12 +8,15 @@ of int8_gemv.GEMV_CONFIGS plus the wider candidates below, each timed by tune_in
 H200 winner, with achieved bandwidth and its fraction of the copy ceiling the environment
 measures (the session-7 records used a 1 GiB copy of this script's own: 4.23-4.24 TB/s).
 A profile for choosing H200_CONFIGS, not a headline: the step's time is `orchestrate run`'s.
+`--tma` times only the shipped config, the s12 table's and the TMA kernel's candidates
+(session 18); `--repeats N` sweeps N times and reports each config's median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -72,6 +75,12 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="launch every call with PDL: each overlaps the previous one's tail, "
                     "as inside a decode step (where preload can pay)")  # fmt: skip
+    ap.add_argument("--tma", action="store_true",
+                    help="time only the shipped config, the s12 table's and the TMA kernel's "
+                    "candidates (int8_gemv.TMA_CONFIGS)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="sweep every config this many times, interleaved; rows report the "
+                    "median (and every pass)")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     env = capture("cuda", "none")  # measures the copy ceiling as the worker does
@@ -84,7 +93,12 @@ def main() -> None:
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         shipped = g.default_config(n, k)
         configs, refused = [], []
-        for cfg in dict.fromkeys((shipped, *g.GEMV_CONFIGS, *EXTRA)):
+        if args.tma:
+            s12 = g.GEMV_TABLES["s12"].get((n, k))
+            candidates = (shipped, *([s12] if s12 else []), *g.TMA_CONFIGS[(n, k)])
+        else:
+            candidates = (shipped, *g.GEMV_CONFIGS, *EXTRA, *g.TMA_CONFIGS.get((n, k), ()))
+        for cfg in dict.fromkeys(candidates):
             try:  # every candidate computes the same product before it is timed
                 out = g.int8_linear(x, q, scale, config=cfg)
             except ValueError as e:  # a config this shape cannot take (the launcher says why)
@@ -94,11 +108,15 @@ def main() -> None:
             err = (out.float() - ref).norm() / ref.norm()
             assert float(err) < 1e-2, (cfg, float(err))
             configs.append(cfg)
-        best, times = g.tune_int8_linear(x, q, scale, configs, launch_pdl=args.pdl)
+        passes = [g.tune_int8_linear(x, q, scale, configs, launch_pdl=args.pdl)[1]
+                  for _ in range(max(1, args.repeats))]  # fmt: skip
+        times = {c: statistics.median(p[c] for p in passes) for c in configs}
+        best = min(times, key=times.__getitem__)
         nbytes = q.numel() + scale.numel() * scale.element_size() + 2 * (k + n)
         rows = [
-            {"config": asdict(c), "us": t * 1e3, "gb_s": nbytes / (t / 1e3) / 1e9,
-             "of_copy": nbytes / (t / 1e3) / 1e9 / ceiling, "shipped": c == shipped}
+            {"config": asdict(c), "us": t * 1e3, "us_passes": [p[c] * 1e3 for p in passes],
+             "gb_s": nbytes / (t / 1e3) / 1e9, "of_copy": nbytes / (t / 1e3) / 1e9 / ceiling,
+             "shipped": c == shipped}
             for c, t in sorted(times.items(), key=lambda kv: kv[1])
         ]  # fmt: skip
         report["shapes"].append({"n": n, "k": k, "bytes": nbytes, "rows": rows, "refused": refused})

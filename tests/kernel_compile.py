@@ -53,6 +53,9 @@ def describe(fn: Any, args: tuple, kwargs: dict) -> dict:
             types[name] = "i1"
         elif isinstance(value, int):
             types[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif _is_tensor_descriptor(value):
+            block = ", ".join(str(b) for b in value.block_shape)
+            types[name] = f"tensordesc<{_TYPES[value.base.dtype]}[{block}]>"
         elif isinstance(value, float):
             types[name] = "fp32"
         else:
@@ -60,6 +63,12 @@ def describe(fn: Any, args: tuple, kwargs: dict) -> dict:
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     return {"module": py.__module__, "name": py.__name__, "params": list(sig.parameters),
             "types": types, "constexprs": constexprs, "options": options}  # fmt: skip
+
+
+def _is_tensor_descriptor(value: object) -> bool:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return isinstance(value, TensorDescriptor)
 
 
 def _is_tl_dtype(value: object) -> bool:
@@ -115,6 +124,7 @@ def shipped_gemv_launches() -> list[dict]:
         configs = {*g.GEMV_CONFIGS, *g.H200_CONFIGS.values()}
         configs |= {c for table in g.GEMV_TABLES.values() for c in table.values()}
         configs |= {replace(c, preload=True) for c in configs if not c.prefetch}
+        configs |= {c for shape in g.TMA_CONFIGS.values() for c in shape}
         for n, k in ((25088, 2048), (2048, 13056)):
             q = torch.zeros(n, k, dtype=torch.int8)
             scale = torch.ones(n, dtype=torch.bfloat16)

@@ -187,6 +187,10 @@ GEMV_CASES = [
     (40, 300, gemv.GemvConfig(8, 64, split_k=3, reduce_each=True)),
     (40, 300, gemv.GemvConfig(8, 64, split_k=2, reduce_each=True, preload=True)),
     (64, 512, gemv.GemvConfig(16, 64, prefetch=True, reduce_each=True)),
+    # weight tiles by the TMA (M=1; zero-filled past N and K): even, ragged, split + ragged
+    (64, 256, gemv.GemvConfig(16, 64, num_stages=3, tma=True)),
+    (72, 208, gemv.GemvConfig(16, 64, num_stages=3, magic=True, tma=True)),
+    (40, 400, gemv.GemvConfig(8, 64, split_k=3, num_stages=2, tma=True)),
 ]
 
 
@@ -221,6 +225,29 @@ def test_int8_linear_vector_input_and_default_config() -> None:
     out = gemv.int8_linear(x, q, scale)
     assert out.shape == (32,)
     assert rel_err(out, gemv.int8_linear_ref(x[None], q, scale)[0]) < tol(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k,split_k", [(64, 256, 1), (72, 208, 1), (40, 400, 3)])
+def test_int8_tma_gemv_equals_the_pointer_kernel(n: int, k: int, split_k: int) -> None:
+    """The same products summed in the same order: the TMA kernel's output is the pointer
+    kernel's, bit for bit, whatever the stages (the zero-filled tile past K adds zeros)."""
+    q, scale = gemv.quantize_int8(randn(n, k))
+    x = randn(1, k, dtype=torch.bfloat16)
+    plain = gemv.int8_linear(x, q, scale, config=gemv.GemvConfig(16, 64, split_k=split_k))
+    for stages in (1, 3):
+        cfg = gemv.GemvConfig(16, 64, split_k=split_k, num_stages=stages, tma=True)
+        assert torch.equal(gemv.int8_linear(x, q, scale, config=cfg), plain)
+
+
+def test_int8_tma_gemv_refuses_what_the_tma_cannot_fetch() -> None:
+    with pytest.raises(ValueError, match="tma pipelines its own loads"):
+        gemv.GemvConfig(16, 64, prefetch=True, tma=True)
+    q, scale = gemv.quantize_int8(randn(16, 520))
+    with pytest.raises(ValueError, match="at most 256 a side"):
+        gemv.int8_linear(randn(1, 520), q, scale, config=gemv.GemvConfig(16, 512, tma=True))
+    q, scale = gemv.quantize_int8(randn(16, 72))  # 72-byte rows: not 16-byte aligned
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemv.int8_linear(randn(1, 72), q, scale, config=gemv.GemvConfig(16, 64, tma=True))
 
 
 def test_int8_linear_rejects_unsupported() -> None:
@@ -822,6 +849,41 @@ def test_gpu_real_shapes_graphs_and_pdl() -> None:
     assert int(counter) == 4
     support = samp.top_k_probs_ref(logits) > 0
     assert all(bool(support[t]) for t in seen)
+
+
+def _launch_all(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfgs: Any,
+                outs: list[torch.Tensor]) -> None:  # fmt: skip
+    for c, o in zip(cfgs, outs, strict=True):
+        gemv.int8_linear(x, q, scale, config=c, out=o, launch_pdl=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tma_gemv_real_shapes_in_graph_with_pdl() -> None:
+    """Every TMA candidate at Rumik's two decode shapes, back to back in one captured graph
+    with PDL: each within bf16 rounding of the reference and of the pointer kernel with the
+    same tile and split (the same products; the last reduction follows the register layout)."""
+    torch.manual_seed(0)
+    for (n, k), cfgs in gemv.TMA_CONFIGS.items():
+        q, scale = gemv.quantize_int8(randn(n, k, dtype=torch.bfloat16, scale=0.02))
+        x = randn(1, k, dtype=torch.bfloat16)
+        ref = gemv.int8_linear_ref(x, q, scale)
+        outs = [torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE) for _ in cfgs]
+        run = functools.partial(_launch_all, x, q, scale, cfgs, outs)
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for c, o in zip(cfgs, outs, strict=True):
+            assert rel_err(o, ref) < 1e-2, c
+            plain = gemv.GemvConfig(c.block_n, c.block_k, c.num_warps, split_k=c.split_k,
+                                    magic=True)  # fmt: skip
+            assert rel_err(o, gemv.int8_linear(x, q, scale, config=plain)) < 1e-3, c
 
 
 @pytest.mark.gpu

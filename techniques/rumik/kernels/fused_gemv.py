@@ -60,7 +60,8 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
-from .int8_gemv import GemvConfig, _dequant
+from .int8_fma import _dequant
+from .int8_gemv import GemvConfig
 
 patch_interpreter_scalars()
 

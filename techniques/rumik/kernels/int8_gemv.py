@@ -41,6 +41,9 @@ Measured on the H200 (M=1, CUDA-graph replay, weights from HBM; copy ceiling 4.2
 the 36-layer packed stack 1.01 ms = 2.79 TB/s, 65% of copy (bf16 1.66 ms), with PDL. The 80%
 goal is not reached yet. M=2..4 (tensor-core path) is slower than bf16 for N=2048: M=1 only.
 
+`GemvConfig(tma=True)` (M=1) runs int8_gemv_tma.py instead: weight tiles fetched by the
+Hopper TMA into shared memory, `num_stages - 1` in flight ahead of the FMAs.
+
 Tuning: `GEMV_CONFIGS` is the candidate list; `H200_CONFIGS` holds the winners measured on the
 H200 keyed on (N, K); `tune_int8_linear` re-measures on the current GPU (do it before graph
 capture: it launches many kernels and synchronises).
@@ -67,6 +70,7 @@ from ._common import (
     pdl_enabled,
 )
 from .epilogue import split_k_semaphores, store_scaled
+from .int8_fma import _fma
 
 patch_interpreter_scalars()
 
@@ -90,10 +94,15 @@ class GemvConfig:
     preload: bool = False  # the first weight chunk in flight before the PDL wait
     reduce_each: bool = False  # a [BLOCK_N] accumulator: each chunk reduced at once, so the
     # registers of a [BLOCK_N, BLOCK_K] fp32 tile are free for wider chunks / more programs
+    # Session 18: weight tiles by the TMA, num_stages - 1 in flight (int8_gemv_tma.py; M=1)
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.preload and self.prefetch:
             raise ValueError("GemvConfig: preload and prefetch both load the first chunk early")
+        if self.tma and (self.prefetch or self.preload or self.reduce_each):
+            raise ValueError("GemvConfig: tma pipelines its own loads (no prefetch, preload or "
+                             "reduce_each)")  # fmt: skip
 
 
 # Candidates swept by tune_int8_linear (and by benchmarks/kernels_bench.py --tune).
@@ -148,6 +157,22 @@ GEMV_TABLES: dict[str, dict[tuple[int, int], GemvConfig]] = {
     "s12": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
 }
 
+# Session 18: candidates for the TMA kernel at Rumik's two decode shapes, not yet timed
+# (benchmarks/gemv_sweep.py --tma times them; the GPU and compile tests check every one).
+TMA_CONFIGS: dict[tuple[int, int], tuple[GemvConfig, ...]] = {
+    (25088, 2048): tuple(
+        GemvConfig(bn, bk, 8 if bn * bk >= 8192 else 4, num_stages=st, magic=True, tma=True)
+        for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)
+    ),
+    (2048, 13056): (
+        *(GemvConfig(bn, 256, 8 if bn >= 32 else 4, num_stages=st, split_k=sk, magic=True,
+                     tma=True)
+          for bn in (8, 16, 32) for st in (3, 4, 6) for sk in (1, 2, 4)),
+        GemvConfig(16, 128, 4, num_stages=4, magic=True, tma=True),
+        GemvConfig(16, 128, 4, num_stages=6, split_k=2, magic=True, tma=True),
+    ),
+}  # fmt: skip
+
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
 
 
@@ -173,31 +198,6 @@ def _load_chunk(
                     eviction_policy="evict_first")  # fmt: skip
         x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0, eviction_policy="evict_last")
     return w, x
-
-
-@triton.jit
-def _dequant(w, MAGIC: tl.constexpr):
-    """int8 -> exact fp32. MAGIC: 2**23 + (w + 128) built in the float's bits, minus 2**23 + 128:
-    integer/FADD ops at full rate instead of I2F, whose quarter rate on sm_90 (16/clk/SM,
-    ~4.2e12/s on an H200) is as slow as streaming the int8 bytes from HBM."""
-    if MAGIC:
-        bits = w.to(tl.int32) + 0x4B000080
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
-    else:
-        return w.to(tl.float32)
-
-
-@triton.jit
-def _fma(acc, w, x, MAGIC: tl.constexpr, REDUCE_EACH: tl.constexpr):
-    """acc + w * x: element-wise into a [BLOCK_N, BLOCK_K] tile, or each chunk's row sums."""
-    prod = _dequant(w, MAGIC) * x.to(tl.float32)[None, :]
-    # one return, and a statement-if: the frontend builds the code after a constexpr-if's
-    # return as well, so the two shapes met in one expression
-    if REDUCE_EACH:  # noqa: SIM108
-        out = acc + tl.sum(prod, axis=1)
-    else:
-        out = acc + prod
-    return out
 
 
 @triton.jit
@@ -412,7 +412,7 @@ def int8_linear(
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"int8_linear: out must be contiguous {(m, n)} {x.dtype}")
     cfg = config or _TUNED.get((str(x.device), m == 1, n, k)) or default_config(n, k)
-    if preload and m == 1 and not cfg.preload:
+    if preload and m == 1 and not cfg.preload and not cfg.tma:
         cfg = replace(cfg, preload=True)  # GemvConfig refuses it with prefetch
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
@@ -431,6 +431,11 @@ def _launch_gemv(
     cfg: GemvConfig,
     use_pdl: bool,
 ) -> None:
+    if cfg.tma:
+        from .int8_gemv_tma import launch_gemv_tma
+
+        return launch_gemv_tma(x, q, scale, out, cfg.block_n, cfg.block_k, cfg.split_k,
+                               cfg.num_warps, cfg.num_stages, cfg.magic, use_pdl)  # fmt: skip
     n, k = q.shape
     split_k = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
     k_per_split = cdiv(cdiv(k, cfg.block_k), split_k) * cfg.block_k
