@@ -3,18 +3,32 @@
 #   bash benchmarks/speed2_s18.sh        # 1. the TMA GEMV's GPU tests, then its sweep against
 #                                        #    the shipped and s12 configs (PDL, three passes);
 #                                        # 2. OmniVoice's FP8-GEMM and attention probe
-#   bash benchmarks/speed2_s18.sh ab     # exp74-full against exp74-full-tma in one worker,
-#                                        # then both profiled
+#   bash benchmarks/speed2_s18.sh ov     # inductor's PDL: its GPU test, then ov-recipe,
+#                                        # ov-best-packed-qkv and -pdl interleaved on five
+#                                        # seeds, then -qkv and -pdl profiled
+#   bash benchmarks/speed2_s18.sh suite  # every GPU test (FlashInfer carried in .whl/)
 set -o pipefail
-if [ "$1" = ab ]; then
-    timeout "${RUN_S:-330}" bash benchmarks/gpu_run.sh issue14-s18-tma --baseline exp74-full \
-        --stack=benchmarks/stacks/exp74-full-tma.yaml --model rumik-oss-1 --device cuda \
-        --workload gpu-headline --fidelity-steps 64 2>&1 | tail -30
-    timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py --model rumik-oss-1 \
-        --stacks exp74-full benchmarks/stacks/exp74-full-tma.yaml --frames 40 --top 12 \
-        --out "$OUT/issue14-s18-tma-profile.json" 2>&1 | grep -v "Warning\|warn" | tail -30
-    exit
-fi
+case "$1" in
+ov)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        "tests/test_omnivoice.py::test_compiled_forward_with_pdl_equals_without" 2>&1 \
+        | tee "$OUT/issue14-s18-gpu-tests-pdl.log" | grep -E "passed|failed|FAILED|Error" | tail -4
+    timeout "${RUN_S:-330}" bash benchmarks/gpu_run.sh issue14-s18-ov --baseline ov-recipe \
+        --stack=benchmarks/stacks/ov-best-packed-qkv.yaml \
+        --stack=benchmarks/stacks/ov-best-packed-qkv-pdl.yaml --model omnivoice --device cuda \
+        --workload ov-tput-seeds --fidelity-steps 0 2>&1 | grep -v "^│" | tail -14
+    [ -f "$OUT/issue14-s18-ov.result.json" ] && rm -rf "${OUT:?}/issue14-s18-ov"
+    timeout "${PROFILE_S:-120}" python3 benchmarks/profile_step.py --model omnivoice \
+        --workload ov-tput --top 40 --out "$OUT/issue14-s18-ov-pdl-profile.json" --stacks \
+        benchmarks/stacks/ov-best-packed-qkv.yaml benchmarks/stacks/ov-best-packed-qkv-pdl.yaml \
+        2>&1 | grep -v "^  .*us/step.*triton_poi\|Warning\|warn\|^V\|^I" | tail -24
+    exit ;;
+suite)
+    timeout "${SUITE_S:-560}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE \
+        --continue-on-collection-errors 2>&1 | tee "$OUT/issue14-s18-gpu-tests.log" \
+        | grep -E "passed|failed|FAILED|ERROR" | tail -12
+    exit ;;
+esac
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     "tests/test_kernels.py::test_gpu_tma_gemv_real_shapes_in_graph_with_pdl" \
     "tests/test_kernels.py::test_gpu_real_shapes_graphs_and_pdl" 2>&1 \
