@@ -3,9 +3,10 @@
 #   bash benchmarks/speed2_s18.sh        # 1. the TMA GEMV's GPU tests, then its sweep against
 #                                        #    the shipped and s12 configs (PDL, three passes);
 #                                        # 2. OmniVoice's FP8-GEMM and attention probe
-#   bash benchmarks/speed2_s18.sh ov     # inductor's PDL: its GPU test, then ov-recipe,
-#                                        # ov-best-packed-qkv and -pdl interleaved on five
-#                                        # seeds, then -qkv and -pdl profiled
+#   bash benchmarks/speed2_s18.sh ov     # inductor's PDL (torch_compile's `pdl` param and
+#                                        # stack ov-best-packed-qkv-pdl, both at 25cd9e0 and
+#                                        # removed after this run: a negative result): its GPU
+#                                        # test, ov-recipe, -qkv and -pdl on five seeds, profiles
 #   bash benchmarks/speed2_s18.sh suite  # every GPU test (FlashInfer carried in .whl/)
 set -o pipefail
 case "$1" in

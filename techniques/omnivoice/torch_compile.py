@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from orchestrate.api.technique import Refused, Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams
 
 # Enough graphs for every (request length x row count) of a grid; past dynamo's default
 # limit (8) it would silently fall back to eager.
@@ -26,12 +26,6 @@ class TorchCompileParams(TechniqueParams):
         "reduce-overhead"
     )
     fullgraph: bool = Field(False, description="Fail instead of splitting the graph.")
-    pdl: bool = Field(
-        False,
-        description="Inductor's Triton kernels launched with programmatic dependent launch "
-        "(sm_90+): each may start while the kernel before it drains, and waits on the device "
-        "only where it reads that kernel's output (torch._inductor triton.enable_pdl).",
-    )
 
 
 def raise_recompile_limit() -> None:
@@ -43,20 +37,9 @@ def raise_recompile_limit() -> None:
             setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), RECOMPILE_LIMIT))
 
 
-def compile_options(mode: str, pdl: bool) -> dict[str, Any]:
-    """torch.compile's keyword for `mode`, with inductor's PDL option merged in when asked
-    (torch.compile takes a mode or options, not both: a mode is its list of options)."""
-    if not pdl:
-        return {"mode": mode}
-    import torch._inductor
-
-    return {"options": {**torch._inductor.list_mode_options(mode), "triton.enable_pdl": True}}
-
-
-def compile_forward(inner: Any, mode: str, fullgraph: bool, pdl: bool = False) -> Any:
+def compile_forward(inner: Any, mode: str, fullgraph: bool) -> Any:
     raise_recompile_limit()
-    options = compile_options(mode, pdl)
-    compiled = torch.compile(inner, fullgraph=fullgraph, dynamic=False, **options)
+    compiled = torch.compile(inner, mode=mode, fullgraph=fullgraph, dynamic=False)
     seen: set[tuple[int, ...]] = set()
 
     def forward(input_ids, audio_mask, attention_mask):
@@ -80,13 +63,7 @@ class TorchCompile(Technique):
     requires = ("cuda",)
     reduces = ("host",)  # reduce-overhead replays CUDA graphs: no launch per kernel
     summary = "torch.compile(mode=reduce-overhead) of the forward; each shape warmed first"
-    version = 2  # 2: the `pdl` param (off: version 1's compile)
     Params = TorchCompileParams
 
     def apply(self, engine: Any) -> None:
-        p: TorchCompileParams = self.params  # type: ignore[assignment]
-        if p.pdl:
-            device = engine.model.device
-            if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-                raise Refused(f"torch_compile pdl needs an sm_90+ CUDA device, got {device}")
-        engine.forward = compile_forward(engine.forward, p.mode, p.fullgraph, p.pdl)
+        engine.forward = compile_forward(engine.forward, self.params.mode, self.params.fullgraph)
