@@ -1,7 +1,7 @@
 # Prepare a bare, offline GPU host for this project. Source it from the repo root (export
 # ORCHESTRATE_CODE_SHA=$(git rev-parse HEAD) first: the copied tree has no .git to read):
 #   source benchmarks/device_setup.sh
-# Carried wheels (.whl/: pydantic, sqlalchemy, alembic, mako) go to /tmp/site; the project
+# Carried wheels (.whl/: pydantic, sqlalchemy, alembic, mako, ...) go to /tmp/site; the project
 # itself is installed editable so its entry points (technique plugins) register.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
@@ -10,6 +10,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING || true
 python3 -c "import orchestrate.api.registry as r; print('techniques:', sorted(r.discover()))"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv,noheader
+# FlashInfer: 0.7.4's wheel (101 MB) is over a call's 64 MiB; flashinfer-python 0.6.18.post1
+# fits, with apache-tvm-ffi, einops, tabulate, nvidia-ml-py, nvidia-cudnn-frontend, cuda-tile
+# and nccl4py (session 18: its GPU tests passed with these in .whl/).
 # FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
 # carried from an earlier host (tar keeps its mtimes): a rebuild per call (~105 s cold in one
