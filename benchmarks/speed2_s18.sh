@@ -8,6 +8,8 @@
 #                                        # removed after this run: a negative result): its GPU
 #                                        # test, ov-recipe, -qkv and -pdl on five seeds, profiles
 #   bash benchmarks/speed2_s18.sh suite  # every GPU test (FlashInfer carried in .whl/)
+#   bash benchmarks/speed2_s18.sh l2     # would prefetching the o|down weight into the L2
+#                                        # during the glue pay? (gemv_l2_prefetch_probe.py)
 set -o pipefail
 case "$1" in
 ov)
@@ -23,6 +25,10 @@ ov)
         --workload ov-tput --top 40 --out "$OUT/issue14-s18-ov-pdl-profile.json" --stacks \
         benchmarks/stacks/ov-best-packed-qkv.yaml benchmarks/stacks/ov-best-packed-qkv-pdl.yaml \
         2>&1 | grep -v "^  .*us/step.*triton_poi\|Warning\|warn\|^V\|^I" | tail -24
+    exit ;;
+l2)
+    timeout 150 python3 benchmarks/gemv_l2_prefetch_probe.py \
+        --out "$OUT/issue14-s18-l2-prefetch-probe.json" 2>&1 | grep -v "Warning\|warn" | tail -14
     exit ;;
 suite)
     timeout "${SUITE_S:-560}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfE \
