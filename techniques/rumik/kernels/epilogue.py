@@ -1,8 +1,9 @@
 """The weight-only GEMVs' shared epilogue: per-channel scale and the split-K reduction.
 
-int8_gemv and int6_gemv differ only in how they load and unpack weights; once a program has
-its fp32 partial dot products, both finish the same way (`store_scaled`), and their split-K
-launches draw semaphores from one pool (`split_k_semaphores`). Like the kernel modules, this
+int8_gemv (pointer and TMA kernels) and int6_gemv differ only in how they load and unpack
+weights; once a program has its fp32 partial dot products, all finish the same way
+(`store_scaled`), cut K the same way (`split_k_plan`) and draw their split-K buffers from one
+semaphore pool (`split_k_buffers`). Like the kernel modules, this
 one imports Triton: the package's __init__ loads it only on first use.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ._common import cdiv
 
 # One pool per device for every split-K GEMV: each launch leaves its counters at zero.
 SEMAPHORES: dict[str, torch.Tensor] = {}
@@ -51,3 +54,22 @@ def split_k_semaphores(device: torch.device, n: int) -> torch.Tensor:
         sem = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         SEMAPHORES[key] = sem
     return sem
+
+
+def split_k_plan(length: int, block: int, split_k: int) -> tuple[int, int]:
+    """(splits, elements per split) for a reduction of `length` in chunks of `block`: at most
+    `split_k` splits of whole chunks, none of them empty."""
+    split_k = max(1, min(split_k, cdiv(length, block)))
+    per_split = cdiv(cdiv(length, block), split_k) * block
+    return cdiv(length, per_split), per_split
+
+
+def split_k_buffers(
+    out: torch.Tensor, split_k: int, n: int, n_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split_k, n], semaphores) for a split-K launch; with one split the
+    kernel reads neither, and `out` stands in for both."""
+    if split_k == 1:
+        return out, out
+    part = torch.empty((split_k, n), dtype=torch.float32, device=out.device)
+    return part, split_k_semaphores(out.device, n_blocks)

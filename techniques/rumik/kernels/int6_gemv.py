@@ -52,7 +52,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
-from .epilogue import split_k_semaphores, store_scaled
+from .epilogue import split_k_buffers, split_k_plan, store_scaled
 
 patch_interpreter_scalars()
 
@@ -251,16 +251,10 @@ def int6_linear(
     cfg = config or _TUNED.get((str(x.device), n, k)) or default_config(n, k)
     use_pdl = pdl_enabled(launch_pdl, x.device)
     q4 = k // 4
-    split_k = max(1, min(cfg.split_k, cdiv(q4, cfg.block_j)))
-    j_per_split = cdiv(cdiv(q4, cfg.block_j), split_k) * cfg.block_j
-    split_k = cdiv(q4, j_per_split)  # no empty splits
+    split_k, j_per_split = split_k_plan(q4, cfg.block_j, cfg.split_k)
     n_blocks = cdiv(n, cfg.block_n)
     even = q4 % j_per_split == 0 and j_per_split % cfg.block_j == 0 and n % cfg.block_n == 0
-    if split_k > 1:
-        part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        sem = split_k_semaphores(x.device, n_blocks)
-    else:
-        part, sem = out, out  # unused when SPLIT_K == 1
+    part, sem = split_k_buffers(out, split_k, n, n_blocks)
     _int6_gemv_kernel[(n_blocks, split_k)](
         x1, packed, scale.contiguous(), out, part, sem,
         n, q4, j_per_split, packed.stride(0),

@@ -69,7 +69,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
-from .epilogue import split_k_semaphores, store_scaled
+from .epilogue import split_k_buffers, split_k_plan, store_scaled
 from .int8_fma import _fma
 
 patch_interpreter_scalars()
@@ -437,9 +437,7 @@ def _launch_gemv(
         return launch_gemv_tma(x, q, scale, out, cfg.block_n, cfg.block_k, cfg.split_k,
                                cfg.num_warps, cfg.num_stages, cfg.magic, use_pdl)  # fmt: skip
     n, k = q.shape
-    split_k = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
-    k_per_split = cdiv(cdiv(k, cfg.block_k), split_k) * cfg.block_k
-    split_k = cdiv(k, k_per_split)  # no empty splits
+    split_k, k_per_split = split_k_plan(k, cfg.block_k, cfg.split_k)
     n_blocks = cdiv(n, cfg.block_n)
     even = k % cfg.block_k == 0 and n % cfg.block_n == 0
     tail = not even and n % cfg.block_n == 0 and not cfg.prefetch
@@ -448,11 +446,7 @@ def _launch_gemv(
         raise ValueError(
             f"int8_linear: preload with K={k} needs whole first chunks of {cfg.block_k} per split"
         )
-    if split_k > 1:
-        part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        sem = split_k_semaphores(x.device, n_blocks)
-    else:
-        part, sem = out, out  # unused by the kernel when SPLIT_K == 1
+    part, sem = split_k_buffers(out, split_k, n, n_blocks)
     _int8_gemv_kernel[(n_blocks, split_k)](
         x,
         q,

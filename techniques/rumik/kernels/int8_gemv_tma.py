@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import cdiv, launch_options
-from .epilogue import split_k_semaphores, store_scaled
+from .epilogue import split_k_buffers, split_k_plan, store_scaled
 from .int8_fma import _fma
 
 TMA_BOX_MAX = 256  # elements per side of one TMA box
@@ -93,15 +93,9 @@ def launch_gemv_tma(
         raise ValueError(f"int8_linear: a TMA tile is at most {TMA_BOX_MAX} a side, got {bn}x{bk}")
     if q.data_ptr() % 16 or k % 16:
         raise ValueError("int8_linear: the TMA needs 16-byte aligned weight rows (K % 16 == 0)")
-    split_k = max(1, min(split_k, cdiv(k, bk)))
-    k_per_split = cdiv(cdiv(k, bk), split_k) * bk
-    split_k = cdiv(k, k_per_split)  # no empty splits
+    split_k, k_per_split = split_k_plan(k, bk, split_k)
     n_blocks = cdiv(n, bn)
-    if split_k > 1:
-        part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        sem = split_k_semaphores(x.device, n_blocks)
-    else:
-        part, sem = out, out  # unused by the kernel when SPLIT_K == 1
+    part, sem = split_k_buffers(out, split_k, n, n_blocks)
     desc = TensorDescriptor.from_tensor(q, [bn, bk])
     _int8_gemv_tma_kernel[(n_blocks, split_k)](
         x, desc, scale, out, part, sem, n, k, k_per_split,
