@@ -157,8 +157,9 @@ GEMV_TABLES: dict[str, dict[tuple[int, int], GemvConfig]] = {
     "s12": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
 }
 
-# Session 18: candidates for the TMA kernel at Rumik's two decode shapes, not yet timed
-# (benchmarks/gemv_sweep.py --tma times them; the GPU and compile tests check every one).
+# Session 18: candidates for the TMA kernel at Rumik's two decode shapes, checked by the GPU
+# and compile tests and timed by `benchmarks/gemv_sweep.py --tma`
+# (h200/issue14-s18-gemv-sweep-tma.json: every one slower than the pointer kernel; in no table).
 TMA_CONFIGS: dict[tuple[int, int], tuple[GemvConfig, ...]] = {
     (25088, 2048): tuple(
         GemvConfig(bn, bk, 8 if bn * bk >= 8192 else 4, num_stages=st, magic=True, tma=True)
@@ -412,8 +413,9 @@ def int8_linear(
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"int8_linear: out must be contiguous {(m, n)} {x.dtype}")
     cfg = config or _TUNED.get((str(x.device), m == 1, n, k)) or default_config(n, k)
+    # GemvConfig refuses preload with prefetch; a tma config's pipeline already loads ahead
     if preload and m == 1 and not cfg.preload and not cfg.tma:
-        cfg = replace(cfg, preload=True)  # GemvConfig refuses it with prefetch
+        cfg = replace(cfg, preload=True)
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
     if m == 1:
