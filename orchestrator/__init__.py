@@ -7,8 +7,9 @@ see `.importlinter`):
     reports    tables and figures, read through the store
     explore    the autonomous exploration loop: propose, measure, remeasure, gate, decide
     research   the protocol: noise, holdout, scoring, decide, gate
-    running    plan -> worker subprocess -> result record (the worker imports no store)
-    store      the only module that speaks SQL; MLflow tracking beside it
+    running    plan -> executor (queue, pool) -> worker subprocess -> result record (the worker
+               imports no store)
+    store      the only module that speaks SQL (runs, the job queue); MLflow tracking beside it
     api        the plugin contracts and config types: techniques, families, scorers
 
 Plugins (`orchestrate.families`, `orchestrate.techniques`, `orchestrate.scorers`,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from orchestrate.api.config import REPO_ROOT, OperatingPoint, Workload
+from orchestrate.api.config import SHIPPED_ROOT, OperatingPoint, Workload
 
 
 def operating_point(workload: Workload, text: str) -> OperatingPoint:
@@ -41,7 +41,8 @@ def request_kwargs(point: OperatingPoint, sample_rate: int) -> dict[str, Any]:
 
 
 def load_reference(path: str) -> tuple[torch.Tensor, int]:
-    """(waveform [1, T], sample rate) read with soundfile; relative paths are from the repo.
+    """(waveform [1, T], sample rate) read with soundfile; relative paths are from the
+    shipped configs' root (the checkout, or the installed package).
 
     Passing a tensor keeps torchaudio's file loaders (and their codec backends) out of it.
     """
@@ -49,7 +50,7 @@ def load_reference(path: str) -> tuple[torch.Tensor, int]:
 
     p = Path(path)
     if not p.is_absolute():
-        p = REPO_ROOT / p
+        p = SHIPPED_ROOT / p
     if not p.exists():
         raise FileNotFoundError(f"reference audio {str(p)!r} does not exist")
     data, sr = sf.read(str(p), dtype="float32", always_2d=True)

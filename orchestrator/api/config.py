@@ -9,19 +9,47 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
-EXPERIMENTS_DIR = REPO_ROOT / "experiments"
+_PACKAGE = Path(__file__).resolve().parents[1]
+REPO_ROOT = _PACKAGE.parent  # the checkout (its git state names a measurement's code)
+# The shipped configs/ and experiments/: package data beside the package in an installed
+# wheel, the checkout's own folders otherwise. A user's ./experiments and ./configs (the
+# working directory's) are searched before them (`_resolve`).
+SHIPPED_ROOT = _PACKAGE if (_PACKAGE / "experiments").is_dir() else REPO_ROOT
+CONFIG_DIR = SHIPPED_ROOT / "configs"
+EXPERIMENTS_DIR = SHIPPED_ROOT / "experiments"
 
 
 class ConfigError(ValueError):
     """A configuration file or value is malformed; the message says where and why."""
+
+
+# Names that become file or folder names (prompt ids -> WAVs, stack names -> folders, workload
+# names -> holdout files, job ids -> job folders): letters, digits and _ . @ + -, starting
+# with a letter or digit, so no name can hold a separator, start with a dot or be "..".
+SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@+\-]{0,99}$"
+_SAFE = re.compile(SAFE_NAME)
+# Bounds on every size a file can set: each is far above any real use, and stops a typo or
+# a hostile file from asking for hours of synthesis or gigabytes of WAVs.
+MAX_PROMPTS, MAX_TEXT_CHARS, MAX_SEEDS = 1000, 2000, 100
+MAX_SEED = 2**32 - 1  # numpy's and the families' generators take seeds in [0, 2**32)
+MAX_TOKENS, MAX_FRAMES, MAX_WARMUPS, MAX_SAVE_AUDIO = 65536, 8192, 100, 1000
+
+
+def safe_name(kind: str, value: str) -> str:
+    """`value` if it is a safe name (SAFE_NAME), else ValueError naming it."""
+    if not _SAFE.fullmatch(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a safe name: use 1 to 100 letters, digits and _ . @ + -, "
+            "starting with a letter or digit (it becomes a file name)"
+        )
+    return value
 
 
 class Strict(BaseModel):
@@ -59,9 +87,14 @@ class SamplingConfig(Strict):
     temperature: float = Field(0.8, gt=0)
     top_k: int = Field(30, ge=1)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(2048, ge=8, description="Token cap (8 tokens = one 80 ms frame).")
+    max_new_tokens: int = Field(
+        2048, ge=8, le=MAX_TOKENS, description="Token cap (8 tokens = one 80 ms frame)."
+    )
     min_tokens_before_stop: int = Field(
-        8, ge=0, description="End-of-audio is masked and the stop head not consulted before this."
+        8,
+        ge=0,
+        le=MAX_TOKENS,
+        description="End-of-audio is masked and the stop head not consulted before this.",
     )
 
 
@@ -75,10 +108,12 @@ class LengthPolicy(Strict):
     """
 
     mode: Literal["model", "fixed", "per_char"] = "fixed"
-    frames: int = Field(80, ge=1, description="Frames per clip for mode 'fixed'.")
-    frames_per_char: float = Field(1.0, gt=0, description="Frames per text character, 'per_char'.")
-    min_frames: int = Field(1, ge=1)
-    max_frames: int = Field(256, ge=1)
+    frames: int = Field(80, ge=1, le=MAX_FRAMES, description="Frames per clip for mode 'fixed'.")
+    frames_per_char: float = Field(
+        1.0, gt=0, le=100, description="Frames per text character, 'per_char'."
+    )
+    min_frames: int = Field(1, ge=1, le=MAX_FRAMES)
+    max_frames: int = Field(256, ge=1, le=MAX_FRAMES)
 
     def frames_for(self, text: str) -> int | None:
         """Frames to generate for `text`, or None when the model decides."""
@@ -91,7 +126,7 @@ class LengthPolicy(Strict):
 
 
 class Prompt(Strict):
-    id: str
+    id: str = Field(description="Names the prompt's WAVs: a safe name (SAFE_NAME).")
     text: str = Field(description="What is synthesised; empty or whitespace-only is an error.")
     point: str | None = Field(None, description="Operating point (Workload.operating_points).")
 
@@ -99,8 +134,13 @@ class Prompt(Strict):
     def _has_text(self) -> Prompt:
         # Checked here, not with min_length, so the error can name the prompt: a blank text
         # would otherwise be synthesised (and timed) as silence.
+        safe_name("prompt id", self.id)
         if not self.text.strip():
             raise ValueError(f"prompt {self.id!r} has no text (empty or only whitespace)")
+        if len(self.text) > MAX_TEXT_CHARS:
+            raise ValueError(
+                f"prompt {self.id!r} has {len(self.text)} characters; at most {MAX_TEXT_CHARS}"
+            )
         return self
 
 
@@ -131,15 +171,17 @@ class OperatingPoint(Strict):
 
 
 class Workload(Strict):
-    name: str
-    prompts: list[Prompt] = Field(min_length=1)
-    seeds: list[int] = Field(default_factory=lambda: [42], min_length=1)
+    name: str = Field(description="Names its files (holdout, reports): a safe name.")
+    prompts: list[Prompt] = Field(min_length=1, max_length=MAX_PROMPTS)
+    seeds: list[int] = Field(default_factory=lambda: [42], min_length=1, max_length=MAX_SEEDS)
     voice: str = "Ira"
     delivery: str | None = Field(None, description="Inline <description=...> text, e.g. 'neutral'.")
     sampling: SamplingConfig = SamplingConfig()
-    warmups: int = Field(3, ge=0)
+    warmups: int = Field(3, ge=0, le=MAX_WARMUPS)
     length_policy: LengthPolicy = LengthPolicy()
-    save_audio: int = Field(2, ge=0, description="WAVs kept per stack (for listening, MLflow).")
+    save_audio: int = Field(
+        2, ge=0, le=MAX_SAVE_AUDIO, description="WAVs kept per stack (for listening, MLflow)."
+    )
     operating_points: dict[str, OperatingPoint] = Field(
         default_factory=dict,
         description="Named request classes with weights; S = sum(weight x median RTF).",
@@ -151,6 +193,11 @@ class Workload(Strict):
         "server would see it. Not part of the latency/RTF numbers.",
     )
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        return safe_name("workload name", name)
+
     @field_validator("prompts")
     @classmethod
     def _unique_ids(cls, prompts: list[Prompt]) -> list[Prompt]:
@@ -159,6 +206,19 @@ class Workload(Strict):
         if dupes:
             raise ValueError(f"duplicate prompt ids: {dupes}")
         return prompts
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds_in_range(cls, seeds: list[int]) -> list[int]:
+        # Here, not in the worker: a bad seed is a bad file (exit 2, nothing stored), not a
+        # FAILED run. A repeated seed would time the same utterance twice as two samples.
+        bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+        if bad:
+            raise ValueError(f"seed {bad[0]} is out of range: seeds are 0 to {MAX_SEED}")
+        dupes = sorted({s for s in seeds if seeds.count(s) > 1})
+        if dupes:
+            raise ValueError(f"duplicate seeds: {dupes}")
+        return seeds
 
     @model_validator(mode="after")
     def _points_declared(self) -> Workload:
@@ -186,7 +246,7 @@ class TechniqueRef(Strict):
 class StackSpec(Strict):
     """An ordered list of techniques applied to a family's stock engine. [] is stock."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(description="Names its folders of WAVs: a safe name (SAFE_NAME).")
     family: str = "rumik"
     description: str = ""
     techniques: list[TechniqueRef] = Field(default_factory=list)
@@ -195,6 +255,11 @@ class StackSpec(Strict):
         description="A second baseline (what a user would pick instead of stock): every "
         "other stack in a run with it also reports its speedup against this one.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        return safe_name("stack name", name)
 
     @model_validator(mode="after")
     def _no_repeats(self) -> StackSpec:
@@ -208,11 +273,20 @@ class StackSpec(Strict):
 # ------------------------------------------------------------------------- loading
 
 
+MAX_FILE_BYTES = 1 << 20  # no config is near 1 MiB; a larger file is not one
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not a config file")
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): save it as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -226,12 +300,29 @@ def load_model(cls: type[Strict], path: Path) -> Any:
 
 
 def explain(exc: ValidationError) -> str:
-    """A ValidationError as one line (`where: why; ...`), without pydantic's URLs."""
+    """A ValidationError as one line (`where: why; ...`), without pydantic's URLs; a
+    message quoting a file's value (a multi-line text) keeps only its first line."""
     parts = []
-    for err in exc.errors():
+    for err in exc.errors()[:5]:  # a file wrong everywhere: the first few say enough
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
-        parts.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
-    return "; ".join(parts)
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {one_line(msg)}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text`'s first line, at most `limit` characters: errors never echo a whole file."""
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found and where, without the file's lines it quotes."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return one_line(f"{problem}{where}")
 
 
 def looks_like_path(name_or_path: str) -> bool:
@@ -248,11 +339,21 @@ def _resolve(name_or_path: str, folder: Path, kind: str) -> Path:
         if not path.is_file():
             raise ConfigError(f"{name_or_path}: not a file (a {kind} is one YAML file)")
         return path
-    candidate = folder / f"{name_or_path}.yaml"
-    if candidate.exists():
-        return candidate
-    known = sorted(p.stem for p in folder.glob("*.yaml"))
+    folders = search_path(folder)
+    for where in folders:
+        candidate = where / f"{name_or_path}.yaml"
+        if candidate.exists():
+            return candidate
+    known = sorted({p.stem for where in folders for p in where.glob("*.yaml")})
     raise ConfigError(f"unknown {kind} {name_or_path!r}; known: {', '.join(known) or 'none'}")
+
+
+def search_path(shipped: Path) -> list[Path]:
+    """Where a name is looked up: the working directory's folder of the same place
+    (./experiments, ./configs/workloads, ...) first, then the shipped one."""
+    user = Path.cwd() / shipped.relative_to(SHIPPED_ROOT)
+    same = user.resolve() == shipped.resolve()
+    return [shipped] if same or not user.is_dir() else [user, shipped]
 
 
 def stack_path(name_or_path: str) -> Path:
@@ -273,8 +374,9 @@ def load_model_spec(
 ) -> ModelSpec:
     """A preset name (configs/models/NAME.yaml), a model YAML file (a third-party family's
     presets live with it), or a local weights folder."""
-    models_dir = CONFIG_DIR / "models"
-    preset_file = models_dir / f"{preset_or_path}.yaml"
+    models_dirs = search_path(CONFIG_DIR / "models")
+    presets = [d / f"{preset_or_path}.yaml" for d in models_dirs]
+    preset_file = next((p for p in presets if p.exists()), presets[-1])
     if Path(preset_or_path).suffix in {".yaml", ".yml"} and Path(preset_or_path).is_file():
         preset_file = Path(preset_or_path)
     if looks_like_path(preset_or_path) and not Path(preset_or_path).exists():
@@ -282,9 +384,11 @@ def load_model_spec(
     if preset_file.exists():
         spec = load_model(ModelSpec, preset_file)
     elif Path(preset_or_path).is_dir():
+        if not any(Path(preset_or_path).iterdir()):  # at planning: exit 2, no FAILED row
+            raise ConfigError(f"weights folder {Path(preset_or_path).resolve()} is empty")
         spec = ModelSpec(preset="from-weights", weights=str(Path(preset_or_path).resolve()))
     else:
-        known = sorted(p.stem for p in models_dir.glob("*.yaml"))
+        known = sorted({p.stem for d in models_dirs for p in d.glob("*.yaml")})
         raise ConfigError(
             f"unknown model {preset_or_path!r}: not a preset ({', '.join(known)}) "
             "and not an existing local weights folder"
