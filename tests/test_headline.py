@@ -149,14 +149,14 @@ def _gate(store: Store, result: ResultRecord, monkeypatch: pytest.MonkeyPatch) -
     before the holdout is opened."""
     from orchestrate.api.config import ModelSpec, Prompt, Workload
     from orchestrate.research import gate
-    from orchestrate.running import plan
+    from orchestrate.running import executor, plan
 
-    def execute(job: Any, store: Store, runs_dir: Path, **kw: Any) -> runner.Outcome:
+    def run_alone(job: Any, store: Store, runs_dir: Path, **kw: Any) -> runner.Outcome:
         comps = comparisons(result)
         run_id = store.find_run_by_identity(runner.job_identity(result.job))["id"]
         return runner.Outcome(run_id, result.status, result, comps, None)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(executor, "run_alone", run_alone)  # the gate's jobs go through it
     monkeypatch.setattr(plan, "plan_job", lambda *a, **k: None)
     protocol = Protocol(quality=QualitySpec(gates=[Gate(metric="wer", max_delta=0.02)]))
     dev = Workload(name="smoke", prompts=[Prompt(id="p0", text="x")])

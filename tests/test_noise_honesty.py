@@ -216,15 +216,17 @@ def test_noise_writes_a_new_file_never_over_the_protocol_it_read(
 
 
 def fake_execute(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    from orchestrate.running import runner
+    """The executor's run of a claimed job, replaced: it records the job and says an
+    identical run was recorded (nothing is measured)."""
+    from orchestrate.running import executor
 
     jobs: list[Any] = []
 
-    def execute(job: Any, *_: Any, **__: Any) -> Any:
-        jobs.append(job)
+    def run_claimed(store: Any, claim: Any, *_: Any, **__: Any) -> Any:
+        jobs.append(claim.job)
         return SimpleNamespace(reused=True, run_id="0" * 32)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(executor, "run_claimed", run_claimed)
     return jobs
 
 

@@ -109,7 +109,7 @@ def test_migration_matches_models_and_sqlite_is_tuned(url: str) -> None:
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
-    assert version == db.head_revision() == "0006"
+    assert version == db.head_revision() == "0007"
     assert set(inspect(engine).get_table_names()) >= {
         "runs",
         "stacks",
@@ -118,6 +118,8 @@ def test_migration_matches_models_and_sqlite_is_tuned(url: str) -> None:
         "metrics",
         "decisions",
         "failures",
+        "jobs",
+        "pool_workers",
     }
     engine.dispose()
 

@@ -45,7 +45,7 @@ class OmniVoiceFamily(Family):
     def build_engine(self, model: OmniVoiceModel, stack: BuiltStack) -> Engine:
         engine = stock_engine(model)
         for technique in stack.techniques:
-            technique.apply(engine)
+            self.apply_checked(engine, technique)  # refuses an undeclared slot change
             for slot in (*technique.slots, *technique.wraps):
                 engine.filled[slot] = technique.name
         engine.finalize()

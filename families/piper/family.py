@@ -55,7 +55,7 @@ class PiperFamily(Family):
     def build_engine(self, model: PiperModel, stack: BuiltStack) -> Engine:
         engine = stock_engine(model)
         for technique in stack.techniques:
-            technique.apply(engine)
+            self.apply_checked(engine, technique)  # refuses an undeclared slot change
             for slot in (*technique.slots, *technique.wraps):
                 engine.filled[slot] = technique.name
         engine.finalize()  # the graph is built and the session created here, not timed

@@ -41,7 +41,7 @@ SLOTS = (
 )  # fmt: skip
 
 # transformers renamed the forward's cache argument (past_key_values -> cache) during 5.x.
-_CACHE_ARG = (
+CACHE_ARG = (
     "cache"
     if "cache" in inspect.signature(Cohere2ForCausalLM.forward).parameters
     else "past_key_values"
@@ -200,7 +200,7 @@ class StockDecoder:
             input_ids=prompt_ids,
             use_cache=True,
             output_hidden_states=True,
-            **{_CACHE_ARG: self.cache},
+            **{CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 
@@ -209,7 +209,7 @@ class StockDecoder:
             input_ids=token,
             use_cache=True,
             output_hidden_states=True,
-            **{_CACHE_ARG: self.cache},
+            **{CACHE_ARG: self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 

@@ -49,7 +49,7 @@ class RumikFamily(Family):
     def build_engine(self, model: RumikModel, stack: BuiltStack) -> Engine:
         engine = stock_engine(model)
         for technique in stack.techniques:
-            technique.apply(engine)
+            self.apply_checked(engine, technique)  # refuses an undeclared slot change
             for slot in (*technique.slots, *technique.wraps):
                 engine.filled[slot] = technique.name
         return engine
@@ -145,7 +145,7 @@ class RumikFamily(Family):
         self, model: RumikModel, engines: dict[str, Engine], workload: Workload, steps: int
     ) -> dict[str, FidelityRecord]:
         """Teacher-force every engine on tokens the stock engine sampled for prompt 0; a
-        stack's sampler and loop, where a technique fills them, are tested against stock's
+        stack's sampler and loop, wherever they are not stock's, are tested against stock's
         under the same sampling settings and seed (fidelity.judge_slots)."""
         stock = stock_engine(model)
         text = workload.prompts[0].text

@@ -5,7 +5,7 @@ logits are placed in one canonical space (audio units, then end-of-audio) so hea
 width compare. Exact techniques must stay within tolerance; approximate ones report how
 far they move the distribution.
 
-Teacher forcing never samples, so a stack that fills the sampler or loop slot gets tests of
+Teacher forcing never samples, so a stack whose sampler or loop is not stock's gets tests of
 its own: its sampler's draws against stock's sampler's on the same head outputs (total
 variation), and its loop's tokens against stock's loop over the same parts (same seed).
 """
@@ -261,6 +261,18 @@ def loop_check(
     }
 
 
+def replaces_sampler(engine: Engine) -> bool:
+    """Whether `engine` samples other than stock does: a technique filled the slot, or its
+    occupant is not stock's. Read off the engine, not only `filled` (the declarations), so
+    an engine that swapped the sampler without declaring it is tested all the same."""
+    return "sampler" in engine.filled or engine.sampler is not stock_sampler
+
+
+def replaces_loop(engine: Engine) -> bool:
+    """Whether `engine`'s token loop is not stock's (see replaces_sampler)."""
+    return "loop" in engine.filled or engine.loop is not host_loop
+
+
 def judge_slots(
     rec: FidelityRecord,
     engine: Engine,
@@ -270,17 +282,17 @@ def judge_slots(
     sampling: SamplingConfig,
     seed: int,
 ) -> FidelityRecord:
-    """`rec` with the sampler and loop slots measured where a technique fills them: within
+    """`rec` with the sampler and loop slots measured wherever they are not stock's: within
     tolerance only if the sampler draws stock's distribution and the loop emits the
     reference loop's tokens (a plugin's `exact` there is measured, not taken on its word)."""
     update: dict[str, object] = {"logits_within_tolerance": rec.within_tolerance}
     ok = rec.within_tolerance
     tested: tuple[str, ...] = ()
-    if "sampler" in engine.filled:
+    if replaces_sampler(engine):
         tv, bound = sampler_check(engine.sampler, heads, sampling, seed)
         update |= {"sampler_tv": tv, "sampler_tv_bound": bound, "sampler_draws": SAMPLER_DRAWS}
         ok, tested = ok and tv <= bound, (*tested, "sampler")
-    if "loop" in engine.filled:
+    if replaces_loop(engine):
         update |= loop_check(engine, prompt_ids, frames, sampling, seed)
         ok, tested = ok and bool(update["loop_tokens_identical"]), (*tested, "loop")
     return rec.model_copy(update={**update, **coverage(engine, tested), "within_tolerance": ok})
@@ -316,9 +328,9 @@ class Reference:
         self, engine: Engine, sampling: SamplingConfig | None = None, seed: int = 0
     ) -> FidelityRecord:
         """Teacher-forced logits against stock's; with `sampling`, also the sampler and loop
-        slots a technique fills (judge_slots)."""
+        wherever they are not stock's (judge_slots)."""
         heads: list[HeadLogits] = []  # kept only for a sampler test: full-vocab rows are big
-        keep = heads if sampling is not None and "sampler" in engine.filled else None
+        keep = heads if sampling is not None and replaces_sampler(engine) else None
         other = teacher_forced(engine, self.prompt_ids, self.tokens, keep)
         rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
         if self.fp32 is not None and self.floor is not None:

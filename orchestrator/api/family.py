@@ -10,7 +10,8 @@ A family is a package with one entry point in the group `orchestrate.families`:
 The core never imports a family: the worker finds it by the name in ModelSpec.family
 (`orchestrate.api.registry.get_family`). Techniques name the family they modify and may
 fill or wrap only the slots it declares here; a technique claiming another slot is refused
-at discovery, by name.
+at discovery, by name, and one whose `apply` changes a slot it did not claim is refused when
+the engine is built (`Family.apply_checked`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from orchestrate.api.config import ModelSpec, Workload
 from orchestrate.api.records import FidelityRecord
-from orchestrate.api.technique import BuiltStack
+from orchestrate.api.technique import BuiltStack, Refused, Technique
 
 
 def configs_hash(**configs: Any) -> str:
@@ -70,6 +71,36 @@ def seed_codebooks(codec: Any) -> int:
             "audio would not depend on the codes"
         )
     return filled
+
+
+class UndeclaredSlot(Refused):
+    """A technique's `apply` changed a slot it does not declare: the stack is refused (a
+    measurement of it would be credited to the declared slots only)."""
+
+    def __init__(self, technique: str, slots: list[str], declared: tuple[str, ...]):
+        self.technique, self.slots = technique, slots
+        named = ", ".join(repr(s) for s in slots)
+        plural = "slots" if len(slots) > 1 else "slot"
+        super().__init__(
+            f"technique {technique!r} changed the {named} {plural}, which it does not declare "
+            f"(it declares {', '.join(declared) or 'none'}); a technique may replace only "
+            "the slots it declares"
+        )
+
+
+def _same(before: object, after: object) -> bool:
+    """Whether a slot's occupant is unchanged: the same object, or an equal value of the same
+    type (a knob set to the value it had; a bound method, which getattr makes anew each
+    time). Equality is the old occupant's own, so a plugin cannot make its replacement
+    compare equal, and only a plain True counts (tensors compare element-wise)."""
+    if before is after:
+        return True
+    if type(before) is not type(after):
+        return False
+    try:
+        return (before == after) is True
+    except Exception:  # an __eq__ that refuses to compare: treat as changed
+        return False
 
 
 @dataclass
@@ -119,6 +150,30 @@ class Family(abc.ABC):
         the engine attribute of the slot's name; families whose slots live elsewhere
         override this."""
         return {s: getattr(engine, s) for s in self.slots if hasattr(engine, s)}
+
+    def apply_checked(self, engine: Any, technique: Technique) -> None:
+        """`technique.apply(engine)`, refused (`UndeclaredSlot`) when it changed the occupant of
+        a slot it declares neither in `slots` nor in `wraps`.
+
+        Fidelity and `explain` trust the declarations: a technique that declares the head
+        but also swaps the sampler had its logits teacher-forced against stock's, matched,
+        and was reported exact while every sampled token differed (issue 36). Every
+        family's `build_engine` applies techniques through this, so the declarations are
+        checked against what `apply` really did, on the occupants `slot_occupants` reads.
+        """
+        before = self.slot_occupants(engine)
+        technique.apply(engine)
+        after = self.slot_occupants(engine)
+        declared = (*technique.slots, *technique.wraps)
+        missing = object()  # a slot that appeared or vanished changed too
+        changed = [
+            slot
+            for slot in sorted(before.keys() | after.keys())
+            if not _same(before.get(slot, missing), after.get(slot, missing))
+        ]
+        undeclared = [s for s in changed if not any(fnmatch.fnmatchcase(s, p) for p in declared)]
+        if undeclared:
+            raise UndeclaredSlot(technique.name, undeclared, declared)
 
     def slot_profile(
         self, engine: Any, text: str, seed: int, workload: Workload

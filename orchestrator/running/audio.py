@@ -6,6 +6,7 @@ would clip and quantise them before the integrity and quality scorers see them).
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -24,8 +25,19 @@ def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
     header += b"data" + struct.pack("<I", len(payload))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
-    tmp.write_bytes(header + payload)
-    tmp.replace(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(header + payload)
+            while view:  # write(2) may write less than asked
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        tmp.replace(path)
+    except OSError as exc:
+        # A full disk names no file (write(2) has none): name the WAV, and leave no partial.
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def integrity(audio: np.ndarray) -> dict[str, float | bool | int]:

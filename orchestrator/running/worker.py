@@ -41,6 +41,7 @@ import torch
 
 from orchestrate.api import sealed
 from orchestrate.api.config import LengthPolicy
+from orchestrate.api.paths import inside
 from orchestrate.api.records import JobSpec, ResultRecord, StackResult, UtteranceRecord, utcnow
 from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps, Refused
@@ -157,6 +158,8 @@ class ModelCache:
         self.key: str | None = None
         self.model: Any = None
         self.checksum: list[float] | None = None
+        self.build_s: float | None = None  # the kept model's build time
+        self.reused = False  # whether the last get() served the kept model
 
     def get(self, family: Any, spec: Any) -> Any:
         key = spec.model_dump_json()
@@ -164,13 +167,18 @@ class ModelCache:
             if checksum(self.model) == self.checksum:
                 emit(
                     "status",
-                    message=f"reusing {spec.preset} from the last job (checksum unchanged)",
+                    message=f"reusing {spec.preset} from the last job (checksum unchanged; "
+                    f"its build took {self.build_s:.1f} s)",
                 )
+                self.reused = True
                 return self.model
             emit("status", message=f"{spec.preset} changed since the last job: building it again")
         self.key = self.model = self.checksum = None
+        self.reused = False
         release()
+        t0 = time.perf_counter()
         model = build(family, spec)
+        self.build_s = time.perf_counter() - t0
         self.checksum = checksum(model)
         if self.checksum is not None:
             self.key, self.model = key, model
@@ -222,7 +230,10 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
         for utt in utts:
             journal.append(name, utt.model_copy(update={"resumed": True}))
     _fault("build", out_dir)
+    t0 = time.perf_counter()
     model = build(family, job.model) if models is None else models.get(family, job.model)
+    reused = models is not None and models.reused
+    build_s = models.build_s if reused and models is not None else time.perf_counter() - t0
     memory("model built")
     caps = DeviceCaps.probe(job.model.device)
     device = torch.device(job.model.device)
@@ -307,7 +318,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             audio_path = None
             if saved[name] < wl.save_audio:
                 rel = Path(name) / f"{prompt.id}_s{seed}.wav"
-                write_wav(out_dir / rel, syn.audio, syn.sample_rate)
+                write_wav(inside(out_dir, rel), syn.audio, syn.sample_rate)
                 audio_path, saved[name] = str(rel), saved[name] + 1
             prints.add(name, prompt.id, prompt.text, seed, rnd, syn.audio, syn.sample_rate)
             utt = _utterance(syn, prompt.id, seed, rnd, audio_path, ttfa, host_ms, job.job_id)
@@ -324,6 +335,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     launches = _launch_metrics(family, engines, results, wl, device, job.count_launches)
     slot_ms = _slot_metrics(job, family, engines, results, wl)
     env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
+    env = env.model_copy(update={"model_reused": reused, "model_build_s": build_s})
     for name, res in results.items():
         res.metrics = summarize(res.utterances)
         res.metrics.update(point_metrics(res.utterances, wl))

@@ -23,6 +23,11 @@ class DuplicateRun(StoreError):
     pass
 
 
+class ResumeClaimed(DuplicateRun):
+    """Another `run --resume` of the same run began first; the message names its run, pid
+    and host."""
+
+
 class StoreUnavailable(StoreError):
     """A database, runs folder or MLflow store that cannot be used as given.
 

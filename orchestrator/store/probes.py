@@ -61,6 +61,48 @@ def display_url(url: str) -> str:
         return url
 
 
+TRACKING_URI_ENV, DEFAULT_TRACKING_DB = "MLFLOW_TRACKING_URI", "mlflow.db"
+
+
+def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else ./mlflow.db (store.tracking says why fixed)."""
+    return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path(DEFAULT_TRACKING_DB).resolve()}"
+
+
+def default_db_url() -> str:
+    from orchestrate import db  # the store's own default ($ORCHESTRATE_DB_URL, ./orchestrate.db)
+
+    return db.default_url()
+
+
+def refuse_shared_tracking(db_url: str) -> None:
+    """MLflow's tracking store must not be the orchestrate database: MLflow would create its
+    tables (and its own alembic_version) inside it. Checked before either is opened."""
+    uri = tracking_uri()
+    if _same_database(db_url, uri):
+        raise StoreUnavailable(
+            f"MLflow's tracking store ({TRACKING_URI_ENV}={display_url(uri)}) is the "
+            f"orchestrate database {display_url(db_url)}: MLflow would write its tables into "
+            f"it; set {TRACKING_URI_ENV} to another store"
+        )
+
+
+def _same_database(a: str, b: str) -> bool:
+    try:
+        ua, ub = make_url(a), make_url(b)
+    except ArgumentError:
+        return False
+    fa, fb = sqlite_file(ua), sqlite_file(ub)
+    if fa is not None or fb is not None:
+        return fa is not None and fb is not None and fa.resolve() == fb.resolve()
+    key = ("get_backend_name", "host", "port", "database")
+    return all(
+        (getattr(ua, k)() if k.startswith("get_") else getattr(ua, k))
+        == (getattr(ub, k)() if k.startswith("get_") else getattr(ub, k))
+        for k in key
+    )
+
+
 def check_url(target: Target, create_parent: bool = False) -> None:
     """Refuse a URL that cannot work: not a URL, an unknown dialect, a missing driver, or a
     SQLite file SQLite cannot use. Nothing is opened; with `create_parent` (MLflow makes the
@@ -78,6 +120,11 @@ def check_url(target: Target, create_parent: bool = False) -> None:
     path = sqlite_file(url)
     if path is not None:
         check_sqlite_file(path, target, create_parent)
+
+
+def database_file(db_url: str) -> Path | None:
+    """The file behind a database URL given as text (sqlite_file), or None."""
+    return sqlite_file(make_url(db_url))
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -197,10 +244,14 @@ def _check_contents(path: Path, target: Target) -> None:
 
 
 def _intact(path: Path) -> bool:
-    """SQLite's quick_check on an immutable (never written, never locked) view of the file;
-    run only when the size already looks wrong, as it reads the whole database."""
+    """SQLite's quick_check on a read-only view of the file, run only when the size already
+    looks wrong, as it reads the whole database. With a -wal beside it the view reads the
+    log as SQLite does (pages a checkpoint cut short by a full disk are still there);
+    without one it is immutable (never written, never locked)."""
+    wal = path.with_name(path.name + "-wal")
+    mode = "mode=ro" if wal.is_file() and wal.stat().st_size else "immutable=1"
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True)
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True)
         try:
             return conn.execute("PRAGMA quick_check(1)").fetchone()[0] == "ok"
         finally:

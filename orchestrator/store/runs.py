@@ -19,7 +19,13 @@ from sqlalchemy.orm import Session, selectinload
 from orchestrate.api.records import JobSpec, ResultRecord, utcnow
 from orchestrate.api.registry import job_identity
 from orchestrate.db.models import Run, StackResultRow
-from orchestrate.store.errors import AmbiguousRun, DuplicateRun, RunNotFound, StoreError
+from orchestrate.store.errors import (
+    AmbiguousRun,
+    DuplicateRun,
+    ResumeClaimed,
+    RunNotFound,
+    StoreError,
+)
 from orchestrate.store.pids import owner_alive
 from orchestrate.store.rows import (
     Comparisons,
@@ -41,10 +47,16 @@ class RunsMixin(Sessions):
     # ------------------------------------------------------------------------- writes
 
     def begin_run(self, job: JobSpec, identity: str) -> str:
-        """Record that this process starts measuring `job`; returns the new run id."""
+        """Record that this process starts measuring `job`; returns the new run id.
+
+        A resumed job claims its run here, in the same write transaction (SQLite's write
+        lock is taken at BEGIN): of two resumes planned at once, the second is refused
+        (ResumeClaimed, naming the first) before its worker starts."""
         try:
             with self._write() as s:
                 _refuse_known_job(s, job.job_id)
+                if job.resumed_from:
+                    _refuse_claimed(s, job.resumed_from)
                 run = self._new_run(job, identity, status="RUNNING", pid=os.getpid())
                 s.add(run)
         except IntegrityError as exc:  # a concurrent writer (databases without IMMEDIATE)
@@ -297,6 +309,16 @@ def _mark_resumed(stacks: list[dict[str, Any]], job: dict[str, Any]) -> None:
 def _has_result(run: Run) -> bool:
     # Every ResultRecord carries an environment, and only recording a result sets it.
     return run.environment_json is not None
+
+
+def _refuse_claimed(s: Session, run_id: str) -> None:
+    pointer = f'"resumed_from":{json.dumps(run_id)}'
+    query = select(Run).where(Run.job_json.contains(pointer, autoescape=True)).limit(1)
+    if (other := s.scalar(query)) is not None:
+        raise ResumeClaimed(
+            f"cannot resume run {run_id[:12]}: it is being resumed as run {other.id[:12]} by "
+            f"pid {other.pid} on {other.host} ({other.status})"
+        )
 
 
 def _refuse_known_job(s: Session, job_id: str) -> None:

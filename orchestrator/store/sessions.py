@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
 
 from orchestrate.store import probes
@@ -31,7 +31,9 @@ class Sessions:
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
                 yield session
-        except OperationalError as exc:  # the database went away, read-only, full, locked
+        except IntegrityError:
+            raise  # a constraint the caller handles (a job recorded twice), not the file
+        except DatabaseError as exc:  # went away, read-only, full, locked, or corrupted
             raise probes.unavailable(exc, probes.database(self.url)) from exc
 
     @contextmanager
@@ -39,5 +41,5 @@ class Sessions:
         try:
             with Session(self._engine) as session:
                 yield session
-        except OperationalError as exc:
+        except DatabaseError as exc:  # a page corrupted mid-file shows only when it is read
             raise probes.unavailable(exc, probes.database(self.url)) from exc

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -58,13 +59,37 @@ for _knob, _value in (
     os.environ.setdefault(_knob, _value)
 
 
+def log_file() -> Path:
+    """Where MLflow's own log lines go: beside a local SQLite tracking store
+    (mlflow.db -> mlflow.db.log), else in the temp folder."""
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and "?" not in uri:
+        return Path(uri.removeprefix("sqlite:///") + ".log")
+    return Path(tempfile.gettempdir()) / "orchestrate-mlflow.log"
+
+
+def quiet_mlflow() -> None:
+    """MLflow's and alembic's log records go to `log_file()`, never to the terminal: a
+    command's output is its own lines (a failure to log is one warning, log_to_mlflow's).
+    Called before each store is opened, as the tracking URI (so the file) may change."""
+    handler = logging.FileHandler(log_file(), delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("mlflow", "alembic"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def tracking_uri() -> str:
     """$MLFLOW_TRACKING_URI, else a SQLite file in the current directory.
 
     MLflow 3 already defaults to sqlite:///mlflow.db, but falls back to ./mlruns files when
     that folder holds old runs; ours is fixed so runs always land in one place.
     """
-    return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
+    return probes.tracking_uri()  # one definition: open_store checks it against the database
 
 
 # Tracking URIs whose store this process has opened (so created and migrated, under the lock).
@@ -77,6 +102,7 @@ def client() -> MlflowClient:
     uri = tracking_uri()
     if uri in _opened:
         return MlflowClient(tracking_uri=uri)
+    quiet_mlflow()
     with store_lock(uri):
         mlf = MlflowClient(tracking_uri=uri)  # builds the store: creates or migrates it
     _opened.add(uri)

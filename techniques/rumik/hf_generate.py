@@ -17,7 +17,7 @@ from orchestrate.api.technique import Technique
 from orchestrate.families.rumik.engine import Engine, Generation, token_budget
 
 
-class _AudioOnly(LogitsProcessor):
+class AudioOnly(LogitsProcessor):
     def __init__(self, lo: int, hi: int, end_id: int, allow_end_from: int | None, prompt_len: int):
         self.lo, self.hi, self.end_id = lo, hi, end_id
         self.allow_end_from, self.prompt_len = allow_end_from, prompt_len
@@ -42,7 +42,7 @@ def hf_generate_loop(
     cap = token_budget(sampling, frames, vocab.num_quantizers)
     torch.manual_seed(generator.initial_seed())  # generate() draws from the global RNG
     ids = torch.tensor([prompt_ids], device=model.device)
-    processor = _AudioOnly(
+    processor = AudioOnly(
         vocab.first_unit_id,
         vocab.last_unit_id + 1,
         vocab.end_id,

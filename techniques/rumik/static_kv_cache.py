@@ -103,7 +103,7 @@ class StaticDecoder:
             k = k.view(1, t, self.hkv, self.d).transpose(1, 2)
             v = v.view(1, t, self.hkv, self.d).transpose(1, 2)
             if self.sliding[i]:  # full-attention layers carry no positional encoding
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q, k = rotate_half_pairs(q, cos, sin), rotate_half_pairs(k, cos, sin)
             self.k[i].index_copy_(2, positions, k)
             self.v[i].index_copy_(2, positions, v)
             window = self.window if self.sliding[i] else None
@@ -113,7 +113,7 @@ class StaticDecoder:
         return layer_norm(x, self.final_norm, self.eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved (GPT-J) rotary in fp32, as transformers' Cohere2 applies it."""
     xf = x.float()
     rotated = torch.stack([-xf[..., 1::2], xf[..., ::2]], dim=-1).flatten(-2)
