@@ -422,3 +422,57 @@ class ExplorationCandidate(Base):
     run_ids_json: Mapped[str] = mapped_column(Text)
     steps_json: Mapped[str] = mapped_column(Text)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+
+
+JOB_STATES = ("PENDING", "RUNNING", "DONE", "FAILED", "CANCELLED")
+
+
+class QueuedJob(Base):
+    """A planned job waiting for, held by, or done by a pool worker (`orchestrate submit`,
+    `orchestrate workers`). The job's own JSON is its payload; `requirements_json` says what
+    a worker must have to claim it. `attempts` counts claims: a worker that dies mid-job
+    leaves its claim to be re-queued (up to `max_attempts`); `run_id` is set in the same
+    transaction that records the run's result, so a result is ingested once per job."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (CheckConstraint(one_of("state", JOB_STATES), name="state"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the JobSpec's job_id
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    priority: Mapped[int] = mapped_column(Integer)  # higher first; equal: oldest first
+    submitted_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    submitted_by: Mapped[str] = mapped_column(String(255))  # host:pid of the submitter
+    label: Mapped[str] = mapped_column(Text)  # model, workload, stacks: for `queue`
+    schema_version: Mapped[int] = mapped_column(Integer)
+    job_json: Mapped[str] = mapped_column(Text)
+    requirements_json: Mapped[str] = mapped_column(Text)
+    options_json: Mapped[str] = mapped_column(Text)  # force, track, recordings_from
+    attempts: Mapped[int] = mapped_column(Integer)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[str | None] = mapped_column(String(128))  # the holder while RUNNING
+    device: Mapped[str | None] = mapped_column(String(255))  # where the last attempt ran
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    progress: Mapped[str | None] = mapped_column(Text)  # the worker's last status line
+    run_id: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(Text)
+    history_json: Mapped[str] = mapped_column(Text)  # one entry per attempt: who, how it ended
+
+
+class PoolWorker(Base):
+    """A live member of a worker pool (`orchestrate workers`): one per GPU (or CPU slot),
+    heart-beating while it lives; the row goes when it stops cleanly. A row whose process is
+    gone (same host) or whose heartbeat is stale is dead, and its claim is re-queued."""
+
+    __tablename__ = "pool_workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # host:pid:slot
+    pool_id: Mapped[str] = mapped_column(String(64), index=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    slot: Mapped[str] = mapped_column(String(32))  # "0" (a GPU index) or "cpu:1"
+    capabilities_json: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    job_id: Mapped[str | None] = mapped_column(String(64))

@@ -151,6 +151,31 @@ def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:
     assert "the next step needs 2" in Budget(jobs=3).spent(0, 2, needs=2)  # the gate's two
 
 
+def test_a_resume_budget_adds_to_what_the_exploration_spent(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`explore --resume ID --budget 30m`: 30 minutes more, not 30 minutes in all (an
+    exploration that had spent 25 of them would otherwise get 5)."""
+    from orchestrate.cli import explore as explore_cli
+
+    assert parse_budget(Budget(seconds=1500.5, jobs=7).spec()) == Budget(1500.5, 7)
+    assert Budget(seconds=1800).after(1500, 9) == Budget(3300, None)
+    ex = explorer(store, tmp_path, [Ladder()], budget="1 job")
+    ex.run()
+    store.update_exploration(ex.id, elapsed_s=1500.0)
+    row = store.get_exploration(ex.id)
+    driven: list[Budget] = []
+    monkeypatch.setattr(explore_cli, "_drive", lambda st, i, budget, *a: driven.append(budget))
+    explore_cli._resume(ex.id, "30m", parse_budget("30m"), None, False, False, store.url, True)
+    assert driven == [Budget(seconds=1500.0 + 1800, jobs=None)]
+    assert parse_budget(store.get_exploration(ex.id)["options"]["budget"]) == driven[0]
+    assert row["jobs"] == 1  # what it had spent, in jobs: a jobs budget adds to it too
+    store.update_exploration(ex.id, status="FINISHED")  # as the resumed session ends it
+    more = parse_budget("2 jobs")
+    explore_cli._resume(ex.id, "2 jobs", more, None, False, False, store.url, True)
+    assert driven[-1] == Budget(seconds=None, jobs=1 + 2)
+
+
 # -------------------------------------------------------------------------------- guards
 
 
@@ -545,6 +570,42 @@ def test_the_ladder_climbs_through_remeasure_and_gate_and_records_every_decision
     # every job holds stock, then the champion (once there is one), then the candidates
     assert all(j.stacks[0].name == "stock" for j in ex.s.submitter.jobs)
     assert ex.s.submitter.jobs[2].stacks[1].name == packed["stack_name"]
+
+
+class TwoSlots(FakeSubmitter):
+    """An executor of two workers: records how many jobs each submit call hands it."""
+
+    slots = 2
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.batches: list[int] = []
+
+    def submit(self, subs: list[Submission]) -> list[Outcome]:
+        self.batches.append(len(subs))
+        return super().submit(subs)
+
+
+def test_a_dev_round_on_two_slots_runs_as_two_jobs_at_once_judged_as_on_one(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate())
+    one = explorer(store, tmp_path, [Ladder(), Ablation()])
+    one.run()
+    sub = TwoSlots(store)
+    two = explorer(store, tmp_path / "two", [Ladder(), Ablation()], submitter=sub)
+    two.run()
+    # round 1's four candidates: two jobs of stock + two candidates, handed over together
+    assert sub.batches[0] == 2
+    assert [len(j.stacks) for j in sub.jobs[:2]] == [3, 3]
+    assert all(j.stacks[0].name == "stock" for j in sub.jobs)
+    split = {n for j in sub.jobs[:2] for n in (s.name for s in j.stacks[1:])}
+    assert len(split) == 4  # every candidate in exactly one of the two jobs
+    # the same decisions as on one slot (the fake measures each stack alike in any job)
+    decided = lambda ex: [  # noqa: E731
+        (c["change"], c["decision"]) for c in store.get_exploration(ex.id)["candidates"]
+    ]
+    assert decided(two) == decided(one)
 
 
 def test_dev_winners_that_fit_together_are_remeasured_combined(

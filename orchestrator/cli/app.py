@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
+import statistics
+import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import BaseModel
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from orchestrate.api.config import (
-    ConfigError,
     ModelSpec,
     StackSpec,
     Workload,
     explain,
-    load_model_spec,
-    load_stack,
-    load_workload,
-    stack_path,
 )
-from orchestrate.api.protocol import Protocol, ProtocolError, load_protocol
-from orchestrate.api.registry import StackError, get_family
+from orchestrate.api.protocol import Protocol
 from orchestrate.cli.common import (
     DbOpt,
     JsonOpt,
@@ -34,6 +32,18 @@ from orchestrate.cli.common import (
     print_json,
     warn,
 )
+from orchestrate.cli.planning import (
+    BaselineOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FidelityOpt,
+    ForceOpt,
+    ModelOpt,
+    PrefixesOpt,
+    StackOpt,
+    StrictOpt,
+    WorkloadOpt,
+)
 
 SCHEMAS: dict[str, type[BaseModel]] = {
     "model": ModelSpec,
@@ -42,46 +52,73 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "protocol": Protocol,
 }
 
+
+# Help piped into a pager, a file or an agent is plain click text: rich's boxed panels cut
+# option names and defaults to fit (`--allow-holdout-r…`), and a pipe has no width to
+# stretch them into. Plain help wraps between words, and not at hyphens, so a default such
+# as `no-allow-holdout-reuse` stays whole on its line.
+def _help_wraps_whole_words() -> None:
+    """Plain help wraps between words only: click's wrapper (typer's vendored copy where
+    there is one) is told not to break at hyphens, which click never asks for."""
+    try:
+        from typer._click import _textwrap as wrap  # typer >= 0.20 vendors click
+    except ImportError:
+        from click import _textwrap as wrap  # type: ignore[no-redef]
+
+    class WholeWords(wrap.TextWrapper):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.break_on_hyphens = False
+
+    wrap.TextWrapper = WholeWords  # read at each wrap_text call
+
+
+_help_wraps_whole_words()
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Experiment orchestration for TTS inference speed-ups.",
+    rich_markup_mode="rich" if sys.stdout.isatty() else None,
 )
+
+
+def _version(value: bool) -> None:
+    """`--version`: the package version, and the commit when this is a checkout."""
+    if not value:
+        return
+    from importlib.metadata import version
+
+    from orchestrate.running.environment import code_state
+
+    state = code_state(with_diff=False)  # ORCHESTRATE_CODE_SHA, else git; None: unknown
+    commit = "git commit unknown" if not state.sha else f"git {state.sha[:12]}"
+    commit += ", modified" if state.dirty else ""
+    console.print(f"orchestrate {version('orchestrate')} ({commit})", highlight=False)
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Version and commit."),
+    ] = False,
+) -> None:
+    """Experiment orchestration for TTS inference speed-ups."""
 
 
 @app.command()
 def run(
-    stack: Annotated[
-        list[str] | None,
-        typer.Option("--stack", "-s", help="Stack name (experiments/) or YAML path; repeatable."),
-    ] = None,
-    baseline: Annotated[
-        str | None,
-        typer.Option(help="Stack every other stack is compared against (default: the family's)."),
-    ] = None,
-    model: Annotated[
-        str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
-    ] = "tiny",
-    workload: Annotated[
-        str | None,
-        typer.Option(help="Workload name (configs/workloads/) or YAML path (default: family's)."),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cpu or cuda (default: the model preset's).")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
-    strict: Annotated[
-        bool, typer.Option(help="Refuse techniques this device lacks instead of skipping them.")
-    ] = False,
-    prefixes: Annotated[
-        bool, typer.Option(help="Also run every cumulative prefix of each --stack.")
-    ] = False,
-    force: Annotated[
-        bool, typer.Option(help="Re-run even if this exact experiment already finished.")
-    ] = False,
-    fidelity_steps: Annotated[
-        int, typer.Option(help="Teacher-forced steps compared against stock (0: off).")
-    ] = 32,
+    stack: StackOpt = None,
+    baseline: BaselineOpt = None,
+    model: ModelOpt = "tiny",
+    workload: WorkloadOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    strict: StrictOpt = False,
+    prefixes: PrefixesOpt = False,
+    force: ForceOpt = False,
+    fidelity_steps: FidelityOpt = 32,
     protocol: ProtocolOpt = "protocol",
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
     runs_dir: Annotated[
@@ -101,61 +138,36 @@ def run(
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Measure stacks against a baseline, interleaved, in one worker; store and report."""
-    from pydantic import ValidationError
+    """Measure stacks against a baseline, interleaved, in one worker; store and report.
 
-    from orchestrate.api.sealed import HoldoutLeak
+    The job goes through the queue: a live pool (`orchestrate workers`) runs it, else this
+    process does."""
+    from orchestrate.cli.planning import plan_cli_job
     from orchestrate.reports.tables import error_line
-    from orchestrate.research.holdout import audit_refusal
-    from orchestrate.running.plan import plan_job, prefix_stack
-    from orchestrate.running.runner import Interrupted, execute
+    from orchestrate.running.executor import PoolExecutor, Submission, executor_for, submit
+    from orchestrate.running.runner import Interrupted
 
     if resume is not None:
         given = locals()
         job_options = {k: given[k] for k in _JOB_OPTIONS}
         return _resume_run(resume, job_options, runs_dir, mlflow, db, as_json)
-    if not stack:
-        fail("missing option --stack (name the stacks to measure, or --resume RUN)")
     runs_dir = runs_dir or Path("runs")
-    try:
-        _check_options(device=device, dtype=dtype, fidelity_steps=fidelity_steps)
-        spec = load_model_spec(model, device=device, dtype=dtype)
-        family = get_family(spec.family)
-        baseline, workload = baseline or family.baseline, workload or family.workload
-        stacks = [load_stack(baseline)]
-        for name in stack:
-            candidate = load_stack(name)
-            is_baseline = candidate.name == stacks[0].name
-            if is_baseline:  # the baseline listed again is measured once, as the baseline
-                _same_as_baseline(candidate, name, stacks[0], baseline)
-            if prefixes:
-                stacks += [prefix_stack(candidate, n) for n in range(1, len(candidate.techniques))]
-            if not is_baseline:
-                stacks.append(candidate)
-        job = plan_job(
-            spec,
-            load_workload(workload),
-            stacks,
-            load_protocol(protocol),
-            runs_dir,
-            strict=strict,
-            fidelity_steps=fidelity_steps,
-        )
-    except HoldoutLeak as exc:  # a holdout text in the workload: refused, and audited
-        audit_refusal(open_store(db), exc, "orchestrate run")
-        fail(str(exc))
-    except ValidationError as exc:  # a ValueError too: never show pydantic's text and URLs
-        fail(explain(exc))
-    except (ConfigError, StackError, ValueError) as exc:
-        fail(str(exc))
-    store = open_store(db)
-    try:  # as the gate does: a protocol edited in place under a recorded version is refused
-        store.register_protocol(job.protocol)
-    except ProtocolError as exc:
-        fail(str(exc))
+    job, store = plan_cli_job(
+        stack, baseline, model, workload, device, dtype, strict, prefixes, fidelity_steps,
+        protocol, runs_dir, db, "orchestrate run",
+    )  # fmt: skip
+    subs = [Submission(job, force=force)]
     try:
         with _progress(quiet=as_json) as on_event:
-            outcome = execute(job, store, runs_dir, track=mlflow, force=force, on_event=on_event)
+            executor = executor_for(
+                store, runs_dir, subs, track=mlflow, on_event=on_event, warm=False
+            )
+            if not as_json and isinstance(executor, PoolExecutor):
+                console.print(f"job {job.job_id} queued for the worker pool")
+            try:
+                (outcome,) = submit(executor, subs)
+            finally:
+                executor.close()
     except (KeyboardInterrupt, Interrupted) as exc:
         _interrupted(exc)
     from orchestrate.reports.tables import annotate
@@ -172,11 +184,25 @@ def run(
     print_json(run_row) if as_json else _show(run_row)
     if outcome.status == "failed":
         raise typer.Exit(1)
+    _crashed_stacks(run_row)
     if strict:
         _strict_exactness(run_row)
 
 
 EXIT_NOT_EXACT = 3  # `run --strict`: a stack declared exact measured outside tolerance
+EXIT_STACK_FAILED = 5  # `run`: the run is recorded (PARTIAL), but a stack crashed in it
+
+
+def _crashed_stacks(run_row: dict[str, Any]) -> None:
+    """A run left PARTIAL because a stack crashed is not a success: exit EXIT_STACK_FAILED,
+    naming the stacks (a stack skipped for this device is no crash: it exits 0)."""
+    crashed = [s["name"] for s in run_row["stacks"] if s.get("status") == "failed"]
+    if crashed:
+        fail(
+            f"run {run_row['id'][:12]} is {run_row['status']}: stack {', '.join(crashed)} "
+            "failed while it ran (its error is above); the other stacks are recorded",
+            EXIT_STACK_FAILED,
+        )
 
 
 def _strict_exactness(run_row: dict[str, Any]) -> None:
@@ -214,9 +240,8 @@ def _resume_run(
 ) -> None:
     """`run --resume RUN`: the recorded job again, in a new run that keeps what RUN measured
     (runner.plan_resume); refused with one line (exit 2) when that would mix measurements."""
-    from orchestrate.reports.tables import annotate, error_line
-    from orchestrate.running.runner import Interrupted, ResumeRefused, execute, plan_resume
-    from orchestrate.store.errors import RunNotFound
+    from orchestrate.running.runner import ResumeRefused, plan_resume
+    from orchestrate.store.errors import ResumeClaimed, RunNotFound
 
     given = [k for k, default in _JOB_OPTIONS.items() if job_options[k] not in (default, [])]
     if given:
@@ -228,11 +253,28 @@ def _resume_run(
     except (ResumeRefused, RunNotFound) as exc:
         fail(str(exc))
     try:
+        _measure_resume(store, job, runs_dir or old_folder.parent, old_folder, mlflow, as_json)
+    except ResumeClaimed as exc:  # another resume began first: its folder is not ours
+        shutil.rmtree((runs_dir or old_folder.parent) / job.job_id, ignore_errors=True)
+        fail(str(exc))
+
+
+def _measure_resume(
+    store: Any, job: Any, runs_dir: Path, old_folder: Path, mlflow: bool, as_json: bool
+) -> None:
+    from orchestrate.reports.tables import annotate, error_line
+    from orchestrate.running.executor import LocalExecutor, Submission, submit
+    from orchestrate.running.runner import Interrupted
+
+    try:
         with _progress(quiet=as_json) as on_event:
-            outcome = execute(
-                job, store, runs_dir or old_folder.parent, track=mlflow, force=True,
-                on_event=on_event, recordings_from=old_folder,
-            )  # fmt: skip
+            # Here, not on a pool: the carried utterances were timed on this host's device.
+            executor = LocalExecutor(store, runs_dir, track=mlflow, on_event=on_event, warm=False)
+            sub = Submission(job, force=True, recordings_from=old_folder)
+            try:
+                (outcome,) = submit(executor, [sub])
+            finally:
+                executor.close()
     except (KeyboardInterrupt, Interrupted) as exc:
         _interrupted(exc)
     if outcome.error:
@@ -247,66 +289,7 @@ def _resume_run(
     print_json(run_row) if as_json else _show(run_row)
     if outcome.status == "failed":
         raise typer.Exit(1)
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _check_options(device: str | None, dtype: str | None, fidelity_steps: int) -> None:
-    """Options checked here, in the CLI's words, before they reach a pydantic model."""
-    if device not in (None, "cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, got {device!r}")
-    if dtype not in (None, *DTYPES):
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if fidelity_steps < 0:
-        raise ConfigError(f"--fidelity-steps must be >= 0, got {fidelity_steps}")
-
-
-def _same_as_baseline(candidate: StackSpec, name: str, base: StackSpec, base_name: str) -> None:
-    """A --stack named like the baseline is the baseline only if it applies the same
-    techniques; otherwise one of them would be dropped without a word."""
-    if (candidate.family, candidate.techniques) != (base.family, base.techniques):
-        raise ConfigError(
-            f"stack {candidate.name!r} from {stack_path(name)} has the baseline's name but "
-            f"other techniques than the baseline {base.name!r} from {stack_path(base_name)}; "
-            "rename one of them"
-        )
-
-
-class _progress:
-    """Progress bar fed by the worker's JSON-line events."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-        )
-        self.task = self.bar.add_task("starting worker", total=None)
-
-    def __enter__(self) -> Any:
-        if not self.quiet:
-            self.bar.start()
-        return self.on_event
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.quiet:
-            self.bar.stop()
-
-    def on_event(self, event: dict[str, Any]) -> None:
-        if event.get("event") == "progress":
-            self.bar.update(
-                self.task,
-                completed=event["done"],
-                total=event["total"],
-                description=f"timing {event['stack']}",
-            )
-        elif event.get("event") == "status":
-            self.bar.update(self.task, description=event["message"])
+    _crashed_stacks(run_row)
 
 
 @app.command()
@@ -520,23 +503,87 @@ def diff(
 
 @app.command()
 def schema(
-    name: Annotated[str | None, typer.Argument(help=f"One of {sorted(SCHEMAS)}.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help=f"One of: {', '.join(sorted(SCHEMAS))}.")
+    ] = None,
 ) -> None:
-    """JSON schema of the config files (all of them without a name)."""
+    """JSON schema of one config file (all of them, keyed by name, without a name)."""
     if name and name not in SCHEMAS:
         fail(f"unknown schema {name!r}; known: {', '.join(sorted(SCHEMAS))}")
-    names = [name] if name else sorted(SCHEMAS)
-    print_json({n: SCHEMAS[n].model_json_schema() for n in names})
+    if name:  # bare, so an editor can use it as a file's `$schema`
+        return print_json(SCHEMAS[name].model_json_schema())
+    print_json({n: SCHEMAS[n].model_json_schema() for n in sorted(SCHEMAS)})
+
+
+class _progress:
+    """Progress fed by the worker's JSON-line events: a bar on a terminal; piped (a log, CI,
+    an agent), where a bar prints nothing for a minute or more, one line per phase and one
+    per stack as its timing finishes, on stdout (stderr keeps a failure to its one line)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.lines = not console.is_terminal
+        self.timed: dict[str, list[float]] = {}  # piped: each stack's latencies so far
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        )
+        self.task = self.bar.add_task("starting worker", total=None)
+
+    def __enter__(self) -> Any:
+        if not self.quiet and not self.lines:
+            self.bar.start()
+        return self.on_event
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.quiet and not self.lines:
+            self.bar.stop()
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        if self.lines:
+            return self._line(event)
+        if event.get("event") == "progress":
+            self.bar.update(
+                self.task,
+                completed=event["done"],
+                total=event["total"],
+                description=f"timing {event['stack']}",
+            )
+        elif event.get("event") == "status":
+            self.bar.update(self.task, description=event["message"])
+
+    def _line(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "status":
+            console.print(escape(event["message"]), highlight=False, soft_wrap=True)
+        elif event.get("event") == "progress":
+            if not self.timed:
+                console.print(f"timing {event['total']} utterances, stacks interleaved")
+            self.timed.setdefault(event["stack"], []).append(event.get("latency_s") or 0.0)
+            if event["done"] == event["total"]:  # interleaved: every stack ends in this round
+                for name, latencies in self.timed.items():
+                    console.print(
+                        f"timed {escape(name)}: {len(latencies)} utterances, median "
+                        f"{statistics.median(latencies):.2f} s",
+                        highlight=False,
+                    )
 
 
 from orchestrate.cli import explore as explore_cli  # noqa: E402
 from orchestrate.cli import faults as faults_cli  # noqa: E402
 from orchestrate.cli import plugins as plugins_cli  # noqa: E402
 from orchestrate.cli import protocol as protocol_cli  # noqa: E402
+from orchestrate.cli import queue as queue_cli  # noqa: E402
 from orchestrate.cli import report as report_cli  # noqa: E402
 
 plugins_cli.register(app)
 protocol_cli.register(app)
 explore_cli.register(app)
 report_cli.register(app)
+queue_cli.register(app)
 faults_cli.register(app)  # last: it wraps every command registered before it

@@ -246,8 +246,11 @@ def _resume(
             "go on with it"
         )
     options = row["options"] | ({"runs_dir": str(runs_dir)} if runs_dir else {})
-    if budget is not None:
-        options["budget"] = budget
+    if parsed is not None:  # T more on top of what it spent, not T in all
+        parsed = parsed.after(row["elapsed_s"], row["jobs"])
+        options["budget"] = parsed.spec()
+        if not as_json:
+            console.print(f"budget: {budget} more, {parsed.describe()} in all")
     store.update_exploration(row["id"], options=options)
     store.claim_exploration(row["id"])
     if not as_json:
@@ -511,8 +514,9 @@ def _records(store: Any, row: dict[str, Any]) -> dict[str, Any]:
 
 def show_exploration(row: dict[str, Any]) -> None:
     from orchestrate.explore.decisions import unjudged_gains
+    from orchestrate.reports.tables import ReadableTable
 
-    table = Table(
+    table = ReadableTable(
         title=f"exploration {row['id'][:12]} · {row['status']} · {row['workload_name']} · "
         f"{row['hardware']} · {row['jobs']} jobs, {row['elapsed_s'] / 60:.1f} min"
     )
@@ -527,7 +531,7 @@ def show_exploration(row: dict[str, Any]) -> None:
             _headline(c["vs_parent"], c["vs_parent_lo"], c["vs_parent_hi"]),
             _headline(c["headline"], c["headline_lo"], c["headline_hi"]),
             c["decision"] or f"open ({c['phase']})",
-            (c["reason"] or "")[:160],
+            c["reason"] or "",  # whole: why a stack was retained is what a reader wants
         )
     console.print(table)
     champion = row["champion"]["name"]

@@ -34,6 +34,19 @@ class Budget:
             parts.append(f"{self.jobs} jobs")
         return " or ".join(parts)
 
+    def after(self, elapsed_s: float, jobs: int) -> Budget:
+        """This budget on top of what an exploration has spent (`explore --resume ID
+        --budget T`: T more, not T in all)."""
+        return Budget(
+            None if self.seconds is None else elapsed_s + self.seconds,
+            None if self.jobs is None else jobs + self.jobs,
+        )
+
+    def spec(self) -> str:
+        """The budget as parse_budget reads it back."""
+        parts = [] if self.seconds is None else [f"{self.seconds:g}s"]
+        return ", ".join(parts + ([] if self.jobs is None else [f"{self.jobs} jobs"]))
+
     def spent(
         self,
         elapsed_s: float,

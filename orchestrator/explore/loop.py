@@ -21,8 +21,10 @@
         told to its proposer (observe)
         an accept moves the champion: proposers start over from it
 
-Jobs go through a Submitter (explore.submit): one local worker now, a queue of GPU workers
-later, the loop unchanged. The store is written before MLflow, which is best effort.
+Jobs go through a Submitter (explore.submit) onto the executor: a live pool of workers
+(`orchestrate workers`) or one worker here. On a pool of N workers a round's dev candidates
+go as N jobs at once (each with stock and the champion: judged paired within its job).
+The store is written before MLflow, which is best effort.
 """
 
 from __future__ import annotations
@@ -360,6 +362,43 @@ class Explorer:
         return self._decide(cand, step)
 
     def _measure(self, group: list[dict[str, Any]], phase: str) -> list[Step]:
+        """A dev group on an executor of several slots is split into that many jobs, run at
+        once (each with stock and the champion, so every candidate is still judged paired
+        within its own job); otherwise one job (`_measure_one`)."""
+        slots = max(1, int(getattr(self.s.submitter, "slots", 1)))
+        if phase != "dev" or slots == 1 or len(group) == 1:
+            return self._measure_one(group, phase)
+        parts = [group[i::slots] for i in range(min(slots, len(group)))]
+        steps: dict[int, Step] = {}
+        planned: list[tuple[list[dict[str, Any]], list[StackSpec], JobSpec]] = []
+        for part in parts:
+            specs = [StackSpec.model_validate(c["spec"]) for c in part]
+            recovered = self._recover(part, phase)
+            if recovered is not None:
+                for c, spec in zip(part, specs, strict=True):
+                    steps[c["id"]] = self._judge(c, spec, phase, recovered)
+                continue
+            try:
+                job = self._plan(specs, phase, _draw(part))
+            except (StackError, ConfigError, ValueError) as exc:
+                for c in part:
+                    steps[c["id"]] = Step(phase, "error", f"does not plan: {exc}", "refused")
+                continue
+            for cand in part:
+                self._journal(cand, phase, job.job_id)
+            planned.append((part, specs, job))
+        outcomes = self._submit_all([Submission(job) for _, _, job in planned])
+        for (part, specs, _), outcome in zip(planned, outcomes, strict=True):
+            if outcome.result is None and len(part) > 1:
+                part_steps = self._alone(part, specs, phase, outcome)
+            else:
+                part_steps = [
+                    self._judge(c, s, phase, outcome) for c, s in zip(part, specs, strict=True)
+                ]
+            steps.update({c["id"]: st for c, st in zip(part, part_steps, strict=True)})
+        return [steps[c["id"]] for c in group]
+
+    def _measure_one(self, group: list[dict[str, Any]], phase: str) -> list[Step]:
         """One job of `group` (dev or fresh) and a decision for each. A job the journal says
         was in flight when a session died is recovered, not measured again."""
         specs = [StackSpec.model_validate(c["spec"]) for c in group]
@@ -579,6 +618,19 @@ class Explorer:
         self._learn(outcome, seconds, estimates)
         self._count_jobs(1, seconds if estimates else None, len(submission.job.stacks))
         return outcome
+
+    def _submit_all(self, subs: list[Submission]) -> list[Outcome]:
+        """Jobs run at once on the executor's slots and counted: each job's seconds are the
+        batch's wall time (they ran side by side), which is what the budget spends."""
+        if not subs:
+            return []
+        started = time.monotonic()
+        outcomes = self.s.submitter.submit(subs)
+        seconds = time.monotonic() - started
+        for sub, outcome in zip(subs, outcomes, strict=True):
+            self._learn(outcome, seconds)
+            self._count_jobs(1, seconds, len(sub.job.stacks))
+        return outcomes
 
     def _stacks(self, candidates: int) -> int:
         """Stacks in a job of `candidates`: stock and the champion come with them."""

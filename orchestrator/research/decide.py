@@ -20,7 +20,6 @@ The headline of a decision is the stored paired estimate of the run it was made 
 from __future__ import annotations
 
 import json
-import platform
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -28,9 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrate.api.config import ModelSpec, StackSpec
 from orchestrate.api.protocol import Protocol, QualitySpec, SpeedRule, split_phase
-from orchestrate.api.records import EnvironmentInfo, StackResult
+from orchestrate.api.records import StackResult
 from orchestrate.api.registry import StackError, get_family
 from orchestrate.running import metrics
+from orchestrate.running.environment import hardware_key as hardware_key
+from orchestrate.running.environment import local_hardware as local_hardware
 from orchestrate.running.metrics import bootstrap_speedup as bootstrap_speedup
 from orchestrate.running.metrics import paired_log_ratios as paired_log_ratios
 from orchestrate.running.metrics import prompt_weight as prompt_weight
@@ -275,20 +276,6 @@ def judge(
 
 
 # ---------------------------------------------------------------------------- champions
-
-
-def hardware_key(env: EnvironmentInfo) -> str:
-    return env.device_name + (f" x{env.gpu_count}" if env.gpu_count > 1 else "")
-
-
-def local_hardware(device: str) -> str:
-    """This host's hardware key, computed as environment.capture() names the device."""
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return torch.cuda.get_device_name() + (f" x{n}" if n > 1 else "")
-    return platform.processor() or "cpu"
 
 
 def model_key(spec: ModelSpec) -> str:

@@ -81,20 +81,20 @@ def run_gate(
 ) -> dict[str, Any]:
     """Remeasure fresh on dev prompts; if faster beyond noise, open the sealed holdout (the
     only sanctioned reader), score it, and accept or retain. Returns the full evidence.
-    `submit(job) -> Outcome` runs a job, always measured afresh (default: runner.execute in
-    a fresh worker; an exploration passes its Submitter's). `remeasured`: a run that is
-    already such a remeasure (an exploration's fresh-seed job of these stacks, after a
+    `submit(job) -> Outcome` runs a job, always measured afresh (default: the executor, a
+    live pool or a fresh worker here; an exploration passes its Submitter's). `remeasured`:
+    a run that is already such a remeasure (an exploration's fresh-seed job of these stacks, after a
     warm-up, on this code, protocol, model and hardware): it stands in for the gate's own,
     which would measure the same thing again; anything less and the gate measures."""
     from orchestrate.research import decide, holdout, scoring_run
+    from orchestrate.running.executor import run_alone
     from orchestrate.running.plan import plan_job
-    from orchestrate.running.runner import execute
 
     proto.require_gates(protocol)
     store.register_protocol(protocol)
     on_event = on_event or (lambda e: None)
     submit = submit or (
-        lambda job: execute(job, store, runs_dir, track=track, force=True, on_event=on_event)
+        lambda job: run_alone(job, store, runs_dir, track=track, force=True, on_event=on_event)
     )
     stock = load_stack(get_family(model.family).baseline)  # the family names its baseline
     if not candidate.techniques or candidate.content_hash() == stock.content_hash():

@@ -298,8 +298,8 @@ def measure(
 ) -> NoiseAnalysis:
     """Run the A/A repeats, score them, and analyse the stored records."""
     from orchestrate.research import scoring_run
+    from orchestrate.running.executor import run_alone
     from orchestrate.running.plan import plan_job
-    from orchestrate.running.runner import execute
 
     if repeats < 2:
         raise NoiseError(f"--repeats must be at least 2 to measure a spread, got {repeats}")
@@ -308,7 +308,7 @@ def measure(
         on_event({"event": "status", "message": f"noise repeat {r + 1}/{repeats}"})
         wl = noise_workload(dev, r, protocol.noise.seed_stride)
         job = plan_job(model, wl, [stack, aa_copy(stack)], protocol, runs_dir)
-        outcome = execute(job, store, runs_dir, track=track, force=True, on_event=on_event)
+        outcome = run_alone(job, store, runs_dir, track=track, force=True, on_event=on_event)
         if outcome.error or outcome.status != "finished":
             raise NoiseError(f"noise repeat {r + 1} did not finish cleanly: {outcome.error}")
         run_ids.append(outcome.run_id)

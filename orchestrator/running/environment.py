@@ -251,3 +251,17 @@ def capture(
         model_config_hash=model_config_hash,
         packages=pkgs,
     )
+
+
+def hardware_key(env: EnvironmentInfo) -> str:
+    """What a measurement is comparable by: the device (and GPU count) it ran on. A pool
+    worker sees one GPU (CUDA_VISIBLE_DEVICES), so its key equals a one-GPU host's."""
+    return env.device_name + (f" x{env.gpu_count}" if env.gpu_count > 1 else "")
+
+
+def local_hardware(device: str) -> str:
+    """This host's hardware key, computed as capture() names the device."""
+    if device == "cuda" and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return torch.cuda.get_device_name() + (f" x{n}" if n > 1 else "")
+    return platform.processor() or "cpu"

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrate.api.paths import inside
 from orchestrate.api.records import JobSpec, ResultRecord, StackResult, UtteranceRecord
 from orchestrate.api.registry import job_identity
 from orchestrate.running import metrics
 from orchestrate.running.mlflow_log import Comparisons, log_to_mlflow, one_line, probe_tracking
 from orchestrate.store.errors import StoreError, StoreUnavailable
+from orchestrate.store.queue import Claim, ClaimLost
 
 
 class WorkerFailed(RuntimeError):
@@ -239,11 +241,13 @@ def execute(
     on_event: Callable[[dict[str, Any]], None] = lambda e: None,
     recordings_from: Path | None = None,
     worker: WorkerLaunch | None = None,
+    claim: Claim | None = None,
 ) -> Outcome:
     """Run `job` in a worker and record it. `recordings_from`: a resumed job's old folder,
     whose WAVs of the carried utterances are linked (or copied) into the new one first.
     `worker`: a fresh process per job (spawn_worker, the default), or one kept warm
-    (running.warm)."""
+    (running.warm). `claim`: the queue's hold on the job (running.executor): its result is
+    recorded with the job marked done, once, while the claim holds."""
     ident = job_identity(job)
     prev = None if force else store.find_run_by_identity(ident)
     # A noisy run is never served back as the measurement: this job measures afresh.
@@ -270,7 +274,7 @@ def execute(
             raise WorkerFailed(describe_exit(rc, log_path))
         result = ResultRecord.read(result_path)
         comps = comparisons(result)
-        _record(store, run_id, result, comps, result_path)  # the database first: it decides
+        _record(store, run_id, result, comps, result_path, claim)  # the database first
         outcome = Outcome(run_id, result.status, result, comps, result_path)
         if track:  # MLflow second, best effort: its failure is a warning, the run stands
             outcome.mlflow_run_id, outcome.mlflow_warning = log_to_mlflow(
@@ -283,7 +287,13 @@ def execute(
     except WorkerFailed as exc:
         error = str(exc) + _resume_hint(run_id, job_dir)
         store.fail_run(run_id, "FAILED", error)
+        if claim is not None:
+            store.finish_claimed(claim, run_id, None, error=error)
         return Outcome(run_id, "FAILED", None, {}, None, error=error)
+    except ClaimLost as exc:  # cancelled or re-queued while it ran: not recorded
+        with suppress(Exception):
+            store.fail_run(run_id, "FAILED", f"not recorded: {exc}")
+        raise
     except StoreError:
         raise  # _record marked the run (where the database let it) and names the recovery
     except Exception as exc:
@@ -305,12 +315,23 @@ def _resume_hint(run_id: str, job_dir: Path) -> str:
 
 
 def _record(
-    store: Any, run_id: str, result: ResultRecord, comps: Comparisons, result_path: Path
+    store: Any,
+    run_id: str,
+    result: ResultRecord,
+    comps: Comparisons,
+    result_path: Path,
+    claim: Claim | None = None,
 ) -> None:
-    """store.finish_run; if the database refuses, one line saying the result is safe on
-    disk and the command that records it (finish_run has marked the run FAILED)."""
+    """store.finish_run (or finish_claimed: the result and the queued job's end in one
+    transaction); if the database refuses, one line saying the result is safe on disk and
+    the command that records it (finish_run has marked the run FAILED)."""
     try:
-        store.finish_run(run_id, result, comps, result_path=str(result_path))
+        if claim is None:
+            store.finish_run(run_id, result, comps, result_path=str(result_path))
+        else:
+            store.finish_claimed(claim, run_id, result, comps, result_path=str(result_path))
+    except ClaimLost:
+        raise
     except Exception as exc:
         raise StoreUnavailable(
             f"recording run {run_id} failed ({one_line(exc)}); the measurement is safe in "
@@ -471,8 +492,8 @@ def _carry_recordings(job: JobSpec, old: Path, new: Path) -> JobSpec:
     for stack, utts in job.carried.items():
         carried[stack] = []
         for utt in utts:
-            if utt.audio_path and (old / utt.audio_path).is_file():
-                _link(old / utt.audio_path, new / utt.audio_path)
+            if utt.audio_path and inside(old, utt.audio_path).is_file():
+                _link(old / utt.audio_path, inside(new, utt.audio_path))
             elif utt.audio_path:
                 utt = utt.model_copy(update={"audio_path": None})
             carried[stack].append(utt)

@@ -35,8 +35,8 @@ class WarmWorker:
     """Call it as runner.spawn_worker; `close()` ends the process (also ended with its
     parent: PR_SET_PDEATHSIG, as every worker)."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_path = log_dir / "warm-worker.log"  # its stderr outside any job
+    def __init__(self, log_dir: Path, name: str = "warm-worker") -> None:
+        self.log_path = log_dir / f"{name}.log"  # its stderr outside any job
         self.proc: subprocess.Popen[str] | None = None
         self.code: str | None = None  # the commit and tree state the process imported
         self.techniques: dict[str, Any] = {}  # each technique's source, as jobs named it

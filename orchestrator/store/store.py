@@ -9,6 +9,7 @@ The methods live by concept in sibling modules, composed here:
     scores.py      scores of a run's recordings
     holdout.py     the holdout audit
     protocols.py   protocol versions
+    queue.py       the job queue and the pool workers draining it
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from orchestrate.store.errors import (
 from orchestrate.store.explorations import ExplorationsMixin
 from orchestrate.store.holdout import HoldoutMixin
 from orchestrate.store.protocols import ProtocolsMixin
+from orchestrate.store.queue import QueueMixin
 from orchestrate.store.runs import RunsMixin
 from orchestrate.store.scores import ScoresMixin
 
@@ -49,7 +51,13 @@ __all__ = [
 
 
 class Store(
-    RunsMixin, DecisionsMixin, ScoresMixin, HoldoutMixin, ProtocolsMixin, ExplorationsMixin
+    RunsMixin,
+    DecisionsMixin,
+    ScoresMixin,
+    HoldoutMixin,
+    ProtocolsMixin,
+    ExplorationsMixin,
+    QueueMixin,
 ):
     """The run database at `url` (default: $ORCHESTRATE_DB_URL, else ./orchestrate.db).
 

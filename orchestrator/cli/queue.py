@@ -1,0 +1,254 @@
+"""`orchestrate submit`, `queue`, `cancel` and `workers`: the job queue from the terminal.
+
+`submit` plans a job as `run` does (every refusal before anything is queued) and returns
+its id at once; `workers` starts a pool on this host that drains the queue (one worker per
+GPU, or `cpu:N`), or with `--list` shows the live workers; `queue` shows every job with
+where it runs, its heartbeat and its last progress line; `cancel` stops a job.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrate.api.records import utcnow
+from orchestrate.cli.common import (
+    DbOpt,
+    JsonOpt,
+    ProtocolOpt,
+    console,
+    fail,
+    open_store,
+    print_json,
+)
+from orchestrate.cli.planning import (
+    BaselineOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FidelityOpt,
+    ForceOpt,
+    ModelOpt,
+    PrefixesOpt,
+    StackOpt,
+    StrictOpt,
+    WorkloadOpt,
+)
+
+
+def submit(
+    stack: StackOpt = None,
+    baseline: BaselineOpt = None,
+    model: ModelOpt = "tiny",
+    workload: WorkloadOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    strict: StrictOpt = False,
+    prefixes: PrefixesOpt = False,
+    force: ForceOpt = False,
+    fidelity_steps: FidelityOpt = 32,
+    protocol: ProtocolOpt = "protocol",
+    priority: Annotated[int, typer.Option(help="Higher runs first; equal: oldest first.")] = 0,
+    min_gpu_memory: Annotated[
+        float | None, typer.Option("--min-gpu-memory", help="GB of GPU memory a worker needs.")
+    ] = None,
+    gpu_model: Annotated[
+        str | None,
+        typer.Option(help="Only a GPU whose name contains this (e.g. H200): comparability."),
+    ] = None,
+    runs_dir: Annotated[
+        Path, typer.Option(help="Where the worker writes jobs, results and WAVs.")
+    ] = Path("runs"),
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan a job as `run` does and queue it for a worker pool; prints its id at once."""
+    from orchestrate.cli.planning import plan_cli_job
+    from orchestrate.running.executor import Submission
+
+    if min_gpu_memory is not None and min_gpu_memory <= 0:
+        fail(f"--min-gpu-memory must be > 0 GB, got {min_gpu_memory:g}")
+    job, store = plan_cli_job(
+        stack, baseline, model, workload, device, dtype, strict, prefixes, fidelity_steps,
+        protocol, runs_dir.resolve(), db, "orchestrate submit", check_device=False,
+    )  # fmt: skip
+    sub = Submission(
+        job, force=force, priority=priority, min_gpu_memory_gb=min_gpu_memory, gpu_model=gpu_model
+    )
+    job_id = store.enqueue(job, sub.requirements(), priority=priority, options=sub.options())
+    if as_json:
+        print_json({"job_id": job_id, "state": "PENDING"})
+        return
+    console.print(
+        f"queued job {job_id} ({len(job.stacks)} stacks, {job.model.preset} on "
+        f"{job.model.device}); `orchestrate queue` follows it, `orchestrate workers` runs it"
+    )
+
+
+def queue(
+    state: Annotated[
+        list[str] | None,
+        typer.Option("--state", help="PENDING, RUNNING, DONE, FAILED or CANCELLED; repeatable."),
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="Jobs shown, newest first.")] = 50,
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The job queue: pending (with why no worker takes it), running (worker, device,
+    heartbeat age, progress), done (its run) and failed (why, and every attempt)."""
+    from orchestrate.api.scheduling import JOB_STATES
+
+    states = tuple(s.upper() for s in state or ())
+    if bad := [s for s in states if s not in JOB_STATES]:
+        fail(f"--state {bad[0]}: one of {', '.join(JOB_STATES)}")
+    store = open_store(db)
+    store.reap_dead()
+    jobs = store.list_jobs(states or None, limit=limit)
+    workers = store.live_workers()
+    for job in jobs:
+        job["waiting_because"] = _why_pending(job, workers) if job["state"] == "PENDING" else None
+    if as_json:
+        print_json(jobs)
+        return
+    if not jobs:
+        console.print("the queue is empty (`orchestrate submit` queues a job)")
+        return
+    table = Table(title=f"jobs ({len(workers)} live workers)")
+    for col in ("job", "state", "stacks", "where", "heartbeat", "attempts", "status"):
+        table.add_column(col, overflow="fold")
+    for job in jobs:
+        table.add_row(
+            job["id"],
+            job["state"],
+            escape(job["label"]),
+            escape(job["device"] or "-") if job["state"] != "PENDING" else "-",
+            _age(job["heartbeat_at"]) if job["state"] == "RUNNING" else "-",
+            f"{job['attempts']}/{job['max_attempts']}",
+            escape(_status(job)),
+        )
+    console.print(table)
+
+
+def cancel(
+    job: Annotated[str, typer.Argument(help="Job id or prefix (orchestrate queue).")],
+    db: DbOpt = None,
+) -> None:
+    """Cancel a queued job; a running one is stopped by its worker within a heartbeat."""
+    from orchestrate.store.queue import JobNotFound
+
+    store = open_store(db)
+    try:
+        before = store.cancel_job(job)
+    except JobNotFound as exc:
+        fail(str(exc))
+    if before["state"] in ("DONE", "FAILED", "CANCELLED"):
+        console.print(f"job {before['id']} is {before['state']} already: nothing changed")
+        return
+    where = f" (stopping it on {before['worker_id']})" if before["state"] == "RUNNING" else ""
+    console.print(f"job {before['id']} cancelled{where}")
+
+
+def workers(
+    gpus: Annotated[
+        str | None,
+        typer.Option(help="Start a pool: all, 0,1 (GPU indices) or cpu:N (N CPU workers)."),
+    ] = None,
+    exit_when_idle: Annotated[
+        bool, typer.Option(help="Stop when no job is left that the pool could run.")
+    ] = False,
+    mlflow: Annotated[bool, typer.Option(help="Log each run to MLflow too.")] = True,
+    runs_dir: Annotated[
+        Path, typer.Option(help="Where the workers write jobs, results and WAVs.")
+    ] = Path("runs"),
+    poll: Annotated[float, typer.Option(min=0.05, help="Seconds between queue polls.")] = 1.0,
+    heartbeat: Annotated[float, typer.Option(min=0.05, help="Seconds between heartbeats.")] = 5.0,
+    stale_after: Annotated[
+        float,
+        typer.Option(min=1.0, help="Seconds of silence after which another host's worker is dead."),
+    ] = 120.0,
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a pool of workers on this host (--gpus), or list the live ones (no --gpus)."""
+    from orchestrate.store.queue import PoolRefused
+
+    store = open_store(db)
+    if gpus is None:
+        return _list_workers(store, as_json)
+    from orchestrate.running.pool import Cadence, parse_slots, start_pool
+
+    try:
+        slots = parse_slots(gpus, _gpu_count)
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        rc = start_pool(
+            store, store.url, slots, runs_dir.resolve(), track=mlflow,
+            exit_when_idle=exit_when_idle, cadence=Cadence(poll, heartbeat, stale_after),
+            say=lambda line: console.print(escape(line), highlight=False),
+        )  # fmt: skip
+    except PoolRefused as exc:
+        fail(str(exc))
+    raise typer.Exit(rc)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _list_workers(store: Any, as_json: bool) -> None:
+    store.reap_dead()
+    live = store.live_workers()
+    if as_json:
+        print_json(live)
+        return
+    if not live:
+        console.print("no live workers (`orchestrate workers --gpus all|0,1|cpu:N` starts a pool)")
+        return
+    table = Table(title="live workers")
+    for col in ("worker", "device", "job", "heartbeat", "since"):
+        table.add_column(col, overflow="fold")
+    for w in live:
+        caps = w["capabilities"]
+        device = caps.get("gpu_name") or caps["device"]
+        table.add_row(
+            w["id"], device, w["job_id"] or "idle", _age(w["heartbeat_at"]), str(w["started_at"])
+        )
+    console.print(table)
+
+
+def _why_pending(job: dict[str, Any], workers: list[dict[str, Any]]) -> str:
+    from orchestrate.api.scheduling import Capabilities, Requirements, why_not
+
+    if not workers:
+        return "no live worker (orchestrate workers --gpus ... starts a pool)"
+    req = Requirements.model_validate(job["requirements"])
+    reasons = [why_not(req, Capabilities.model_validate(w["capabilities"])) for w in workers]
+    if any(r is None for r in reasons):
+        return "waiting for a free worker"
+    return f"no live worker can run it: {reasons[0]}"
+
+
+def _status(job: dict[str, Any]) -> str:
+    if job["state"] == "PENDING":
+        return job["waiting_because"] or ""
+    if job["state"] == "RUNNING":
+        return job["progress"] or "started"
+    if job["state"] == "DONE":
+        return f"run {job['run_id'][:12]}" if job["run_id"] else "done"
+    return job["error"] or job["state"].lower()
+
+
+def _age(t: datetime | None) -> str:
+    return "-" if t is None else f"{(utcnow() - t).total_seconds():.0f} s ago"
+
+
+def register(app: typer.Typer) -> None:
+    for command in (submit, queue, cancel, workers):
+        app.command()(command)
