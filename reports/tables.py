@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 
 from orchestrate.running.metrics import (
@@ -48,6 +50,41 @@ COLUMNS = [
 # never the sampler or the generation loop; those get tests of their own only where a
 # technique fills them (each record's `covers` says which ran), so the run-level line says so.
 UNCOVERED_SLOTS = ("sampler", "loop")
+
+
+class ReadableTable(Table):
+    """A table that wraps instead of cutting: at any width, columns are narrowed widest
+    first down to their longest word, so headers and reasons wrap between words and no
+    cell is cut with an ellipsis (rich's own narrowing cuts the widest columns first, a
+    reason or the headline before a number). Light rules: a 14-column run table then fits
+    120 columns. Where even the longest words do not fit, the longest fold (nothing lost)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True} | kwargs
+        super().__init__(*args, **kwargs)
+
+    def add_column(self, *args: Any, **kwargs: Any) -> None:
+        super().add_column(*args, **({"overflow": "fold"} | kwargs))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        self._fit(console, options.update_width(options.max_width - self._extra_width))
+        yield from super().__rich_console__(console, options)
+
+    def _fit(self, console: Console, options: ConsoleOptions) -> None:
+        for column in self.columns:  # measured afresh at each width
+            column.width = None
+        ranges = [self._measure_column(console, options, c) for c in self.columns]
+        widths, floors = [r.maximum for r in ranges], [r.minimum for r in ranges]
+        excess = sum(widths) - options.max_width
+        while excess > 0:
+            # Down to the longest words first; then, if those do not fit either, the
+            # longest words fold, widest first (a long stack name before a number).
+            i = max(range(len(widths)), key=lambda j: (widths[j] > floors[j], widths[j]))
+            if widths[i] <= 3:
+                return  # nothing sensible fits: rich's own narrowing
+            widths[i], excess = widths[i] - 1, excess - 1
+        for i, column in enumerate(self.columns):
+            column.width = widths[i] - self._get_padding_width(i)
 
 
 def headline_cell(m: Mapping[str, float], suffix: str = "") -> str:
@@ -175,7 +212,7 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
 
     Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
     declared `baseline: true`) appear when some stack has them."""
-    table = Table(title=title)
+    table = ReadableTable(title=title)
     table.add_column("stack")
     table.add_column("status")
     present = {k for s in stacks for k in s.get("metrics", {})}
@@ -318,14 +355,14 @@ def run_diff_tables(d: RunDiff) -> list[Table | str]:
     a, b = d.a[:8], d.b[:8]
     out: list[Table | str] = []
     if d.settings:
-        table = Table(title=f"settings and environment · {a} -> {b}")
+        table = ReadableTable(title=f"settings and environment · {a} -> {b}")
         for col in ("key", a, b):
             table.add_column(col)
         for c in d.settings:
             table.add_row(c.key, _cell(c.a), _cell(c.b))
         out.append(table)
     if d.stacks or d.only_in_a or d.only_in_b:
-        table = Table(title="stacks")
+        table = ReadableTable(title="stacks")
         for col in ("stack", "key", a, b):
             table.add_column(col)
         for name in d.only_in_a:
@@ -337,7 +374,7 @@ def run_diff_tables(d: RunDiff) -> list[Table | str]:
                 table.add_row(name, c.key, _cell(c.a), _cell(c.b))
         out.append(table)
     if d.metrics:
-        table = Table(title=f"metrics that moved more than {d.threshold:.1%}")
+        table = ReadableTable(title=f"metrics that moved more than {d.threshold:.1%}")
         for col in ("stack", "metric", a, b, "b / a"):
             table.add_column(col, justify="left" if col in ("stack", "metric") else "right")
         for m in d.metrics:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -43,9 +44,11 @@ def warn(message: str) -> None:
 
 def open_store(db: str | None) -> Any:
     """The store at `db`; a database it cannot use ends the command with one line (exit 2)."""
+    from orchestrate.store import probes
     from orchestrate.store.store import Store, StoreError  # lazily: `worker` needs no SQL
 
     try:
+        probes.refuse_shared_tracking(db or probes.default_db_url())  # before either opens
         return Store(db)
     except StoreError as exc:
         fail(str(exc))
@@ -53,3 +56,20 @@ def open_store(db: str | None) -> Any:
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def output_dir(db: str | None) -> Path:
+    """Where a command writes its files unless told: beside the SQLite database, in a folder
+    named after it (`orchestrate-reports/` beside `orchestrate.db`: one per database), else
+    `orchestrate-reports/` in the working folder; never into the installed package."""
+    from orchestrate.store import probes
+
+    path = probes.database_file(db or probes.default_db_url())
+    return Path("orchestrate-reports") if path is None else path.parent / f"{path.stem}-reports"
+
+
+def last_workload(store: Any) -> str:
+    """The workload the database last ran (its base name: `smoke` for `smoke@holdout`), or
+    `smoke` for an empty one: what frontier and figures show unless told."""
+    newest = store.list_runs(limit=1)
+    return (newest[0].get("workload_name") or "smoke").split("@")[0] if newest else "smoke"

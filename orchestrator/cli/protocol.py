@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrate.api import protocol as proto
 from orchestrate.api.config import (
-    REPO_ROOT,
     ConfigError,
     load_model_spec,
     load_stack,
@@ -37,9 +37,12 @@ from orchestrate.cli.common import (
     console,
     err,
     fail,
+    last_workload,
     open_store,
+    output_dir,
     print_json,
 )
+from orchestrate.reports.tables import ReadableTable
 from orchestrate.research import gate as gate_pipeline
 from orchestrate.research.holdout import audit_refusal
 from orchestrate.running.metrics import AGGREGATE, AGGREGATE_LABEL, EXACT_CELL, headline_label
@@ -49,6 +52,7 @@ from orchestrate.running.metrics import AGGREGATE, AGGREGATE_LABEL, EXACT_CELL, 
 EXIT_RETAIN = 3
 # `orchestrate noise` exits EXIT_TOO_NOISY when the A/A spread exceeds noise.max_aa_cv.
 EXIT_TOO_NOISY = 4
+MAX_REPEATS = 50  # A/A jobs of `noise`: each is a whole run; more is a typo, not a plan
 
 ModelOpt = Annotated[
     str, typer.Option(help="Model preset (configs/models/) or a local weights folder.")
@@ -57,10 +61,11 @@ WorkloadOpt = Annotated[
     str | None,
     typer.Option(help="Development workload name or YAML path (default: the family's)."),
 ]
+LastWorkloadOpt = Annotated[
+    str | None,
+    typer.Option(help="Workload name or YAML path (default: the one the database last ran)."),
+]
 RunsDirOpt = Annotated[Path, typer.Option(help="Where jobs, results and WAVs are written.")]
-# Anchored to the checkout, not the cwd: a ./reports folder elsewhere would shadow the
-# `reports` package for every later command run from there (editable installs).
-REPORTS_DIR = REPO_ROOT / "reports"
 
 
 def _events(quiet: bool) -> Any:
@@ -101,6 +106,12 @@ def noise(
     from orchestrate.api.scoring import ScoringError
     from orchestrate.research import noise as noise_mod
 
+    if not 2 <= repeats <= MAX_REPEATS:  # a bad option: exit 2 before anything is opened
+        fail(
+            f"--repeats must be at least 2 to measure a spread, got {repeats}"
+            if repeats < 2
+            else f"--repeats must be at most {MAX_REPEATS}, got {repeats}"
+        )
     try:
         current = load_protocol(protocol)
         spec = load_model_spec(model)
@@ -249,9 +260,8 @@ def score(
     try:
         if result is not None:  # a scoring worker: no database, writes a sheet
             rec = ResultRecord.read(result)
-            sheet = scoring_run.score_result(
-                rec, current, audio_dir or scoring_run.audio_root(rec, result)
-            )
+            root = audio_dir or scoring_run.audio_root(rec, result)
+            sheet = scoring_run.score_result(rec, current, root, on_event=_events(as_json))
             target = out or result.with_name(f"scores-{rec.job.job_id}.json")
             sheet.write(target)
             return _report_sheet(sheet, as_json, f"wrote {target}")
@@ -267,7 +277,13 @@ def score(
                 fail(f"no run of job {sheet.job_id} in the database; ingest its result first")
             added = scoring_run.store_sheet(store, run_id, sheet)
         else:
-            sheet, added = scoring_run.score_run(store, run, current, audio_dir)  # type: ignore[arg-type]
+            sheet, added = scoring_run.score_run(
+                store,
+                run,
+                current,
+                audio_dir,
+                on_event=_events(as_json),  # type: ignore[arg-type]
+            )
             run_id = store.resolve(run)  # type: ignore[arg-type]
     except (ScoringError, StoreError, ValueError, LookupError, OSError) as exc:
         fail(str(exc), 1)
@@ -412,9 +428,13 @@ def ledger(
     ] = None,
     stack: Annotated[str | None, typer.Option(help="Only this stack.")] = None,
     limit: int = 1000,
-    out: Annotated[Path, typer.Option(help="Markdown ledger (always the full ledger).")] = (
-        REPORTS_DIR / "ledger.md"
-    ),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Markdown ledger, always the full ledger (default: ledger.md in the "
+            "database's reports folder, e.g. orchestrate-reports/ beside orchestrate.db)."
+        ),
+    ] = None,
     write: Annotated[bool, typer.Option(help="Write the markdown ledger.")] = True,
     db: DbOpt = None,
     as_json: JsonOpt = False,
@@ -423,12 +443,13 @@ def ledger(
     from orchestrate.reports import ledger as ledger_mod
 
     store = open_store(db)
+    out = out or output_dir(db) / "ledger.md"
     rows = ledger_mod.entries(store, cause=cause, stack=stack, limit=limit)
     if write:
         ledger_mod.write(store, out)
     if as_json:
         return print_json(rows)
-    table = Table(title="failure ledger" + (f" (written to {out})" if write else ""))
+    table = ReadableTable(title="failure ledger" + (f" (written to {out})" if write else ""))
     for col in ("when", "stack", "cause", "workload", "protocol", "run", "detail"):
         table.add_column(col)
     for r in rows:
@@ -439,7 +460,7 @@ def ledger(
             r["workload"] or "",
             f"v{r['protocol_version']}" if r["protocol_version"] else "",
             (r["run_id"] or "")[:8] + (" (noisy)" if r["noisy"] else ""),
-            r["detail"][:100],
+            r["detail"],  # whole: the reason is what a reader came for
         )
     console.print(table)
     for c in ledger_mod.champion_rows(store):  # each accept's holdout paired headline
@@ -453,7 +474,7 @@ def ledger(
 
 
 def frontier(
-    workload: WorkloadOpt = "smoke",
+    workload: LastWorkloadOpt = None,
     model: Annotated[
         str | None, typer.Option(help="Model preset (default: that of the newest run).")
     ] = None,
@@ -471,13 +492,14 @@ def frontier(
     try:
         current = load_protocol(protocol)
         spec = load_model_spec(model) if model else None
-        name = load_workload(workload).name
-        data = collect(open_store(db), current, name, spec, hardware, metric)
+        store = open_store(db)
+        name = load_workload(workload).name if workload else last_workload(store)
+        data = collect(store, current, name, spec, hardware, metric)
     except (ConfigError, proto.ProtocolError) as exc:
         fail(str(exc))
     if as_json:
         return print_json(data.to_dict())
-    table = Table(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
+    table = ReadableTable(title=f"experiments · {data.workload} · {data.model} · {data.hardware}")
     headers = ("#", "phase", "stack", headline_label(current.speed.confidence), AGGREGATE_LABEL)
     for col in (*headers, "exact", "gate", "status", "why"):
         table.add_column(col)
@@ -493,7 +515,7 @@ def frontier(
             EXACT_CELL[p.exactness],
             p.gate,
             p.status + (" · noisy" if p.noisy else ""),
-            "; ".join(p.reasons)[:90],
+            "; ".join(p.reasons),  # whole: why a stack was retained must be readable
         )
     console.print(table)
     # The best is what the gate accepted, at its holdout paired estimate; what was never
@@ -521,7 +543,12 @@ def frontier(
             + ", ".join(f"{c['stack']} {c['speedup']:.2f}x Δ{c['delta']:+.3g}" for c in data.pareto)
         )
     if data.excluded:
-        console.print(f"[dim]not shown: {data.excluded}[/dim]")
+        console.print(f"[dim]not shown: {escape(_excluded_line(data.excluded))}[/dim]")
+
+
+def _excluded_line(excluded: dict[str, int]) -> str:
+    """`3 runs: protocol 55214bd2 (v2); 1 run: run did not finish` (why runs are left out)."""
+    return "; ".join(f"{n} run{'s' * (n != 1)}: {why}" for why, n in excluded.items())
 
 
 def _step_cell(speedup: float, lo: float | None, hi: float | None) -> str:
@@ -535,7 +562,7 @@ def _step_cell(speedup: float, lo: float | None, hi: float | None) -> str:
 
 
 def figures(
-    workload: WorkloadOpt = "smoke",
+    workload: LastWorkloadOpt = None,
     model: Annotated[str | None, typer.Option(help="Default: the newest run's model.")] = None,
     hardware: Annotated[str | None, typer.Option(help="Default: the newest run's.")] = None,
     run: Annotated[
@@ -544,7 +571,10 @@ def figures(
     ladder_run: Annotated[
         str | None, typer.Option(help="Run for the ladder (default: the workload's newest).")
     ] = None,
-    out: Annotated[Path, typer.Option(help="Output folder.")] = REPORTS_DIR / "figures",
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Output folder (default: figures/ in the database's reports folder)."),
+    ] = None,
     protocol: ProtocolOpt = "protocol",
     db: DbOpt = None,
     as_json: JsonOpt = False,
@@ -555,8 +585,9 @@ def figures(
     try:
         current = load_protocol(protocol)
         spec = load_model_spec(model) if model else None
-        name = load_workload(workload).name
         store = open_store(db)
+        name = load_workload(workload).name if workload else last_workload(store)
+        out = out or output_dir(db) / "figures"
         manifest = render_all(
             store,
             current,

@@ -18,7 +18,7 @@ import hashlib
 import math
 import socket
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from functools import cache
@@ -127,23 +127,34 @@ def score_result(
     root: Path,
     scorers: Sequence[Scorer] | None = None,
     skip: set[tuple[str, int, str, str, str]] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> ScoreSheet:
     """Score every utterance of `result` with the protocol's scorers (no database needed).
 
-    `skip` holds (stack, utterance, scorer, version, weights_id) keys already scored.
-    """
+    `skip` holds (stack, utterance, scorer, version, weights_id) keys already scored;
+    `on_event` gets a status event per phase and per stack scored (a minute or more of
+    scoring is otherwise silent)."""
+    say = on_event or (lambda event: None)
     names = protocol.quality.scorers
+    if scorers is None:
+        say({"event": "status", "message": f"loading scorers: {', '.join(names.values())}"})
     loaded = list(scorers) if scorers is not None else load_scorers(tuple(names.values()))
     for scorer in loaded:
         scorer.load()  # ScorerUnavailable here is the environment's fault: stop, loudly
     cache: dict[Path, tuple[np.ndarray, int] | str] = {}
     rows = []
+    by_stack: dict[str, list[_Item]] = defaultdict(list)
     for it in _items(result, root):
-        for scorer in loaded:
-            key = (it.stack, it.index, scorer.name, scorer.version, scorer.weights_id())
-            if skip and key in skip:
-                continue
-            rows.append(_score_one(scorer, it, cache))
+        by_stack[it.stack].append(it)
+    for stack, items in by_stack.items():
+        before = len(rows)
+        for it in items:
+            for scorer in loaded:
+                key = (it.stack, it.index, scorer.name, scorer.version, scorer.weights_id())
+                if not (skip and key in skip):
+                    rows.append(_score_one(scorer, it, cache))
+        message = f"scored {stack}: {len(items)} utterances, {len(rows) - before} new scores"
+        say({"event": "status", "message": message})
     return ScoreSheet(
         job_id=result.job.job_id,
         protocol_hash=protocol.content_hash(),
@@ -260,18 +271,25 @@ def load_rows(store: Store, run_id: str) -> list[ScoreRow]:
 
 
 def score_run(
-    store: Store, run_id: str, protocol: Protocol, audio_dir: Path | None = None
+    store: Store,
+    run_id: str,
+    protocol: Protocol,
+    audio_dir: Path | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[ScoreSheet, int]:
     """Score a stored run here (what is already stored is not scored again)."""
     result = store.get_result(run_id)
     run = store.get_run(run_id, utterances=False)
     root = audio_dir or audio_root(result, run.get("result_path"))
-    scorers = load_scorers(tuple(protocol.quality.scorers.values()))
+    names = tuple(protocol.quality.scorers.values())
+    if on_event:
+        on_event({"event": "status", "message": f"loading scorers: {', '.join(names)}"})
+    scorers = load_scorers(names)
     done = {
         (r.stack, r.utterance, r.scorer, r.scorer_version, r.weights_id)
         for r in load_rows(store, run["id"])
     }
-    sheet = score_result(result, protocol, root, scorers, skip=done)
+    sheet = score_result(result, protocol, root, scorers, skip=done, on_event=on_event)
     return sheet, store_sheet(store, run["id"], sheet)
 
 
