@@ -1,0 +1,421 @@
+"""Serving many Rumik streams on one device (issue 34): our batched path against baseline B.
+
+Builds the model once (random weights: `rumik-oss-1` bf16 on CUDA, `tiny` fp32 on the CPU),
+then walks a curve of concurrency levels, ascending, interleaving at each level:
+  ours       techniques/rumik/batched_server.py: continuous batching over a B-row static
+             cache, per-row positions, seeded per-row top-k, a CUDA graph per (batch,
+             context) bucket captured before the first level, Mimi decode of each chunk;
+  baseline B transformers generate() with a static cache (auto-compiled on CUDA) over one
+             static batch of the level's streams (techniques/rumik/batched_baseline.py),
+             at the levels in --baseline-levels only (each batch size compiles anew).
+Every stream of a level arrives at t = 0 (N concurrent streams); --poisson adds levels of
+Poisson arrivals for our path. Figures per level: orchestrator/running/serving.py. The JSON
+is rewritten after every level, so a run stopped by its time limit keeps what it measured.
+
+    python benchmarks/serving_bench.py --device cuda --model rumik-oss-1 --out $OUT/serving.json
+    python benchmarks/serving_bench.py --device cpu --model tiny --out /tmp/serving.json
+    python benchmarks/serving_bench.py --plot serving.json [--figure serving.png]
+
+Bad loads (concurrency 0, beyond the cache's rows, an arrival rate without a duration) exit
+2 with one line, before any model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrate.running.serving import (
+    DEFINITIONS,
+    Load,
+    LoadError,
+    StreamRecord,
+    arrivals,
+    check_load,
+    drive,
+    summarise,
+)
+
+FRAME_S = 0.08  # one Mimi frame: 8 tokens
+TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
+CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
+
+NOT_BUILT = [
+    "a family call on the Family API that serves a set of requests (the benchmark builds the "
+    "server from techniques/rumik/batched_server.py directly)",
+    "batched decode registered as technique plugins / stack YAML; runner workloads for sets",
+    "the runner's refusal of a batched technique on a single-stream workload",
+    "streaming Mimi decode with state carried across chunks (each chunk decodes on its own)",
+    "the codec on its own CUDA stream or process (it runs between decode steps here)",
+    "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
+    "OmniVoice serving",
+]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--model", default=None, help="preset (default: rumik-oss-1 / tiny)")
+    ap.add_argument(
+        "--levels", default=None, help=f"streams per level ({GPU_LEVELS} / {CPU_LEVELS})"
+    )
+    ap.add_argument("--baseline-levels", default=None, help="levels also run by baseline B")
+    ap.add_argument("--rows", type=int, default=None, help="cache rows (default: top level)")
+    ap.add_argument("--frames", type=int, default=None, help="frames per stream (80 / 4)")
+    ap.add_argument("--chunk-frames", type=int, default=1, help="frames per audio chunk")
+    ap.add_argument("--no-codec", action="store_true", help="leave Mimi decode out")
+    ap.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA too")
+    ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument("--poisson", default="", help="RATE:DURATION_S,... levels for our path")
+    ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="serving.json")
+    ap.add_argument("--figure", default=None, help="PNG path (default: beside --out)")
+    ap.add_argument("--plot", default=None, metavar="FROM_JSON", help="only draw the figure")
+    return ap.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
+    """Every load of the run, checked before anything is built (LoadError on a bad one)."""
+    cuda = args.device == "cuda"
+    try:
+        levels = ints(args.levels or (GPU_LEVELS if cuda else CPU_LEVELS))
+        base = ints(
+            args.baseline_levels
+            if args.baseline_levels is not None
+            else ("32,128" if cuda else "1,2")
+        )
+        poisson = [
+            tuple(map(float, p.split(":"))) if ":" in p else (float(p), None)
+            for p in args.poisson.split(",")
+            if p.strip()
+        ]
+    except ValueError as exc:
+        raise LoadError(f"cannot read a level list: {exc}") from exc
+    rows = args.rows if args.rows is not None else max(levels, default=0)
+    loads = [Load(concurrency=n) for n in levels]
+    loads += [Load(rate=r, duration_s=d) for r, d in poisson]
+    if not loads:
+        raise LoadError("no load levels given")
+    for load in loads:
+        check_load(load, rows)
+    for n in base:
+        check_load(Load(concurrency=n), 1 << 30)  # baseline B has no rows: only n >= 1
+    return loads, base, rows
+
+
+def environment(device: str) -> dict[str, Any]:
+    import transformers
+
+    sha = os.environ.get("ORCHESTRATE_CODE_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = None
+    return {
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "git_sha": sha,
+        "host_cpus": os.cpu_count(),
+    }
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(server, load: Load, prompt: list[int], frames: int, args, limit_s: float):
+    from orchestrate.techniques.rumik.batched_server import ServeRequest
+
+    times = arrivals(load, args.seed)
+    reqs = [
+        ServeRequest(k, prompt, frames, seed=args.seed * 100_003 + k) for k in range(len(times))
+    ]
+    server.clear()
+    records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s)
+    st = server.stats
+    level = summarise(records, FRAME_S, args.chunk_frames)
+    level.update(
+        path="ours",
+        load=load.label(),
+        concurrency=load.concurrency,
+        rate=load.rate,
+        duration_s=load.duration_s,
+        wall_s=wall,
+        steps=st.steps,
+        mean_step_ms=1000 * wall / st.steps if st.steps else None,
+        mean_bucket_rows=st.step_rows / st.steps if st.steps else None,
+        prefill_calls=st.prefills,
+        buckets_used=sorted(st.buckets_used),
+    )
+    return level
+
+
+def run_baseline(model, n: int, prompt: list[int], frames: int, sampling, args, dev: str):
+    from orchestrate.techniques.rumik.batched_baseline import StaticBatchBaseline
+
+    tokens = frames * model.vocab.num_quantizers
+    base = StaticBatchBaseline(model, n, len(prompt), tokens)
+    warm = base.warm_up(prompt, sampling)
+    t0 = time.perf_counter()
+    ready, out = base.run(
+        prompt, sampling, args.seed, args.chunk_frames, not args.no_codec, lambda: sync(dev)
+    )
+    sync(dev)
+    wall = time.perf_counter() - t0
+    records = [StreamRecord(k, 0.0, frames, 0.0, list(ready), done=True) for k in range(n)]
+    level = summarise(records, FRAME_S, args.chunk_frames)
+    level.update(
+        path="baseline_b",
+        load=Load(concurrency=n).label(),
+        concurrency=n,
+        wall_s=wall,
+        warm_up_s=warm,
+        steps=int(out.shape[1]),
+        mean_step_ms=1000 * wall / max(1, int(out.shape[1])),
+    )
+    del base
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return level
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.plot:
+        return plot(Path(args.plot), args.figure)
+    try:
+        loads, base_levels, rows = plan(args)
+    except LoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    deadline = start + args.time_budget
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_server import BatchedServer
+
+    cuda = args.device == "cuda"
+    preset = args.model or ("rumik-oss-1" if cuda else "tiny")
+    frames = args.frames or (80 if cuda else 4)
+    spec = ModelSpec(preset=preset, device=args.device, dtype="bfloat16" if cuda else "float32")
+    model = get_family("rumik").build_model(spec)
+    prompt = model.encode_prompt(build_prompt(TEXT, "Ira", "neutral"))
+    tokens = frames * model.vocab.num_quantizers
+    sampling = SamplingConfig(max_new_tokens=max(tokens, 8))
+    capacity = math.ceil((len(prompt) + tokens + 1) / 128) * 128
+    out = Path(args.out)
+    fig = Path(args.figure) if args.figure else out.with_suffix(".png")
+    doc: dict[str, Any] = {
+        "issue": 34,
+        "environment": environment(args.device),
+        "model": {"preset": preset, "dtype": spec.dtype, "random_weights": True},
+        "workload": {
+            "prompt_tokens": len(prompt),
+            "text": TEXT,
+            "frames_per_stream": frames,
+            "tokens_per_stream": tokens,
+            "frame_s": FRAME_S,
+            "chunk_frames": args.chunk_frames,
+            "sampling": sampling.model_dump(),
+            "length_policy": "fixed frames per stream; end-of-audio masked, stop head "
+            "evaluated but not obeyed (random weights)",
+            "arrivals": "N concurrent: all streams arrive at t = 0; poisson: seeded "
+            "exponential gaps",
+        },
+        "ours": {
+            "rows": rows,
+            "cache_positions": capacity,
+            "cuda_graphs": cuda and not args.no_graphs,
+            "codec": "excluded"
+            if args.no_codec
+            else "Mimi decode of each completed chunk, "
+            "batched across streams, each chunk decoded on its own (no streaming state)",
+            "head": "codebook head (APPROXIMATE: codebook step % 8 per row, 2,049 columns)",
+            "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
+            "as stock's top-k, other random stream)",
+            "max_prefill_tokens": args.max_prefill_tokens,
+        },
+        "baseline_b": {
+            "what": "transformers generate(), StaticCache reused per batch size, auto "
+            "torch.compile on CUDA (compile in warm_up_s, outside the timing); one static "
+            "batch; full audio vocabulary (16,384 units) by a logits processor; a "
+            "streamer timestamps frames (one host copy per step)",
+            "levels": base_levels,
+            "codec": "excluded" if args.no_codec else "as ours",
+        },
+        "definitions": {
+            **DEFINITIONS,
+            "mean_step_ms": "level wall seconds / decode steps: prefill, codec and host work "
+            "included (not the graph's GPU time alone)",
+            "mean_bucket_rows": "rows stepped per decode step (the batch bucket, live or not)",
+            "warm_up_s": "baseline B: the short generate() that compiles its step, untimed",
+        },
+        "not_built": NOT_BUILT,
+        "levels": [],
+        "skipped": [],
+    }
+    server = BatchedServer(
+        model,
+        rows,
+        capacity,
+        sampling,
+        graphs=cuda and not args.no_graphs,
+        codec=not args.no_codec,
+        chunk_frames=args.chunk_frames,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+    doc["model"]["build_s"] = time.perf_counter() - start
+    t0 = time.perf_counter()
+    doc["ours"]["graphs_captured"] = server.warm_up()
+    doc["ours"]["capture_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()  # untimed: first prefill, allocator and codec paths warm up
+    run_ours(server, Load(concurrency=min(2, rows)), prompt, 2, args, 120.0)
+    doc["ours"]["warm_up_s"] = time.perf_counter() - t0
+    write(out, doc)
+    print(
+        f"model {preset} built, {doc['ours']['graphs_captured']} graphs captured "
+        f"in {doc['ours']['capture_s']:.1f} s",
+        flush=True,
+    )
+
+    for load in loads:
+        n = load.concurrency
+        todo = [("ours", None)] + ([("baseline_b", n)] if n in base_levels else [])
+        for path, _ in todo:
+            left = deadline - time.perf_counter()
+            need = 150.0 if (path == "baseline_b" and cuda) else 5.0  # a compile is ~70 s
+            if left < need:
+                doc["skipped"].append(
+                    {"path": path, "load": load.label(), "why": f"time budget: {left:.0f} s left"}
+                )
+                continue
+            try:
+                if path == "ours":
+                    level = run_ours(server, load, prompt, frames, args, left - 2.0)
+                else:
+                    level = run_baseline(model, n, prompt, frames, sampling, args, args.device)
+            except Exception as exc:  # one failed level is recorded; the curve goes on
+                level = {
+                    "path": path,
+                    "load": load.label(),
+                    "concurrency": n,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-2000:],
+                }
+                server.clear()
+            doc["levels"].append(level)
+            doc["elapsed_s"] = time.perf_counter() - start
+            write(out, doc)
+            print(brief(level), flush=True)
+    doc["complete"] = True
+    write(out, doc)
+    plot(out, str(fig))
+    return 0
+
+
+def brief(level: dict[str, Any]) -> str:
+    if "error" in level:
+        return f"{level['path']:10} {level['load']:>24}: ERROR {level['error']}"
+
+    def f(x: float | None, scale: float = 1.0) -> str:
+        return "-" if x is None else f"{x * scale:.3g}"
+
+    return (
+        f"{level['path']:10} {level['load']:>24}: served {level['served']}/"
+        f"{level['streams']}, TTFA p50/p95/p99 {f(level['ttfa_p50_s'], 1e3)}/"
+        f"{f(level['ttfa_p95_s'], 1e3)}/{f(level['ttfa_p99_s'], 1e3)} ms, RTF p50 "
+        f"{f(level['rtf_p50'])}, steady p95 {f(level['steady_rtf_p95'])}, "
+        f"{f(level['audio_s_per_s'])} audio s/s, step {f(level.get('mean_step_ms'))} ms"
+    )
+
+
+def plot(src: Path, figure: str | None) -> int:
+    """Streams vs TTFA p95 and vs per-stream RTF, ours and baseline B; skipped (exit 0,
+    one line) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: figure skipped (draw it later with --plot)")
+        return 0
+    doc = json.loads(src.read_text())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for path, style, color in (("ours", "o-", "C0"), ("baseline_b", "s--", "C1")):
+        rows = sorted(
+            (
+                lv
+                for lv in doc["levels"]
+                if lv.get("path") == path and lv.get("concurrency") and "error" not in lv
+            ),
+            key=lambda lv: lv["concurrency"],
+        )
+        if not rows:
+            continue
+        x = [lv["concurrency"] for lv in rows]
+        ttfa = [None if lv["ttfa_p95_s"] is None else lv["ttfa_p95_s"] * 1e3 for lv in rows]
+        ax1.plot(x, ttfa, style, color=color, label=path)
+        ax2.plot(x, [lv["rtf_p50"] for lv in rows], style, color=color, label=f"{path} p50")
+        ax2.plot(
+            x, [lv["steady_rtf_p95"] for lv in rows], ":", color=color, label=f"{path} steady p95"
+        )
+    ax1.axhline(200, color="grey", lw=0.8, ls=":")
+    ax1.set(xlabel="concurrent streams", ylabel="TTFA p95 (ms)", title="time to first audio")
+    ax2.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax2.set(xlabel="concurrent streams", ylabel="per-stream RTF", title="per-stream RTF")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    env = doc["environment"]
+    fig.suptitle(
+        f"Rumik {doc['model']['preset']} serving on {env['device']} "
+        f"(torch {env['torch']}, {str(env.get('git_sha'))[:8]})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    dest = Path(figure) if figure else src.with_suffix(".png")
+    fig.savefig(dest, dpi=120)
+    print(f"figure: {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

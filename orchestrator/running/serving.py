@@ -1,0 +1,207 @@
+"""Serving many streams (issue 34): load shapes, the load driver, and per-stream figures.
+
+A load is N streams arriving together (`concurrency`) or Poisson arrivals at `rate` per
+second over `duration_s`. `drive` feeds arrivals to a server (anything shaped like
+`Server`: free rows, admit, step) and timestamps, per stream, when each frame's audio is
+ready. `summarise` turns those timestamps into the deployer's figures: a stream starts
+playing at its first chunk, chunk k is due at first_chunk_ready + k * chunk duration, and a
+stream counts as served only if every chunk was ready by its due time and it completed.
+Nothing here knows a model family; the server does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+DEFINITIONS = {
+    "ttfa_s": "time to first audio: ready time of the stream's first chunk (codec included "
+    "where the codec runs) minus its arrival time (queueing and prefill included)",
+    "underruns": "chunks of a stream ready after their due time; chunk k is due at "
+    "first_chunk_ready + k * chunk_frames * frame_s (playback starts at the first chunk)",
+    "served": "streams that completed with no underrun",
+    "behind": "streams with at least one underrun",
+    "incomplete": "streams not finished when the level's time limit stopped it",
+    "rtf": "per stream: (last frame ready - arrival) / audio seconds",
+    "steady_rtf": "per stream: (last frame ready - first chunk ready) / audio seconds after "
+    "the first chunk; below 1 means frames came faster than real time once playing",
+    "audio_s_per_s": "aggregate: audio seconds completed by all streams / (last frame ready - "
+    "first arrival)",
+    "percentiles": "numpy linear interpolation over the level's streams",
+}
+
+
+class LoadError(ValueError):
+    """A load that cannot be run; raised before any model is built."""
+
+
+@dataclass(frozen=True)
+class Load:
+    concurrency: int | None = None  # streams arriving together at t = 0
+    rate: float | None = None  # Poisson arrivals per second
+    duration_s: float | None = None  # arrivals stop after this
+
+    def label(self) -> str:
+        if self.rate is not None:
+            return f"poisson {self.rate:g}/s for {self.duration_s:g} s"
+        return f"{self.concurrency} concurrent"
+
+
+def check_load(load: Load, rows: int) -> None:
+    """One line per mistake, before anything is built."""
+    if load.rate is None and load.duration_s is not None:
+        raise LoadError(f"a duration ({load.duration_s:g} s) needs an arrival rate")
+    if load.rate is not None:
+        if load.duration_s is None:
+            raise LoadError(f"arrival rate {load.rate:g}/s given without a duration")
+        if load.rate <= 0 or load.duration_s <= 0:
+            raise LoadError("arrival rate and duration must be positive")
+        if load.concurrency is not None:
+            raise LoadError("give either a concurrency or an arrival rate, not both")
+        return
+    if load.concurrency is None or load.concurrency < 1:
+        raise LoadError(f"concurrency must be at least 1 (got {load.concurrency})")
+    if load.concurrency > rows:
+        raise LoadError(f"concurrency {load.concurrency} exceeds the cache's {rows} rows")
+
+
+def arrivals(load: Load, seed: int) -> list[float]:
+    """Arrival times in seconds from the level's start."""
+    if load.rate is None:
+        return [0.0] * int(load.concurrency or 0)
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(load.rate)
+        if t > float(load.duration_s or 0):
+            return out
+        out.append(t)
+
+
+class Server(Protocol):
+    def free_rows(self) -> int: ...
+    def live(self) -> int: ...
+    def admit(self, reqs: list[Any]) -> int: ...
+    def step(self) -> list[Any]: ...  # items with .key, .frames_ready, .done
+
+
+@dataclass
+class StreamRecord:
+    key: int
+    arrival_s: float
+    frames: int  # frames the stream should produce
+    admitted_s: float | None = None
+    frame_ready_s: list[float] = field(default_factory=list)  # per frame, audio ready
+    done: bool = False
+
+
+def drive(
+    server: Server,
+    requests: Sequence[Any],
+    arrival_s: Sequence[float],
+    frames: Sequence[int],
+    time_limit_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[StreamRecord], float]:
+    """Run one load level: admit arrived requests into free rows, step, timestamp frames.
+
+    Returns the records and the level's wall seconds. Past `time_limit_s` the level stops
+    and unfinished streams stay incomplete."""
+    records = {
+        r.key: StreamRecord(r.key, a, f)
+        for r, a, f in zip(requests, arrival_s, frames, strict=True)
+    }
+    pending = deque(sorted(zip(arrival_s, range(len(requests)), strict=True)))
+    waiting: list[Any] = []
+    t0 = clock()
+    while pending or waiting or server.live():
+        now = clock() - t0
+        if now > time_limit_s:
+            break
+        while pending and pending[0][0] <= now:
+            waiting.append(requests[pending.popleft()[1]])
+        if waiting and server.free_rows():
+            n = server.admit(waiting)
+            for req in waiting[:n]:
+                records[req.key].admitted_s = now
+            waiting = waiting[n:]
+        if not server.live():
+            if pending:  # idle until the next arrival
+                time.sleep(max(0.0, pending[0][0] - (clock() - t0)))
+            continue
+        events = server.step()
+        now = clock() - t0
+        for ev in events:
+            rec = records[ev.key]
+            rec.frame_ready_s.extend([now] * (ev.frames_ready - len(rec.frame_ready_s)))
+            rec.done = rec.done or ev.done
+    return list(records.values()), clock() - t0
+
+
+def stream_figures(rec: StreamRecord, frame_s: float, chunk_frames: int) -> dict[str, Any]:
+    ready = rec.frame_ready_s
+    n = len(ready)
+    out: dict[str, Any] = {
+        "arrival_s": rec.arrival_s,
+        "frames": n,
+        "frames_expected": rec.frames,
+        "complete": rec.done and n == rec.frames,
+    }
+    if not n:
+        return {**out, "ttfa_s": None, "underruns": None, "rtf": None, "steady_rtf": None}
+    first = ready[min(chunk_frames, n) - 1]
+    chunks = math.ceil(n / chunk_frames)
+    late = sum(
+        ready[min((k + 1) * chunk_frames, n) - 1] > first + k * chunk_frames * frame_s
+        for k in range(chunks)
+    )
+    after = (n - min(chunk_frames, n)) * frame_s
+    return {
+        **out,
+        "ttfa_s": first - rec.arrival_s,
+        "underruns": int(late),
+        "rtf": (ready[-1] - rec.arrival_s) / (n * frame_s),
+        "steady_rtf": (ready[-1] - first) / after if after > 0 else None,
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise(records: list[StreamRecord], frame_s: float, chunk_frames: int) -> dict[str, Any]:
+    """The level's figures (definitions in DEFINITIONS), unrounded, plus every stream's."""
+    streams = [stream_figures(r, frame_s, chunk_frames) for r in records]
+    ttfa = [s["ttfa_s"] for s in streams if s["ttfa_s"] is not None]
+    rtf = [s["rtf"] for s in streams if s["complete"]]
+    steady = [s["steady_rtf"] for s in streams if s["complete"] and s["steady_rtf"] is not None]
+    behind = sum(1 for s in streams if s["underruns"])
+    served = sum(1 for s in streams if s["complete"] and s["underruns"] == 0)
+    last = max((r.frame_ready_s[-1] for r in records if r.frame_ready_s), default=None)
+    first_arrival = min((r.arrival_s for r in records), default=0.0)
+    audio_s = sum(len(r.frame_ready_s) for r in records) * frame_s
+    span = None if last is None else last - first_arrival
+    return {
+        "streams": len(records),
+        "served": served,
+        "behind": behind,
+        "incomplete": sum(1 for s in streams if not s["complete"]),
+        "underruns_total": sum(s["underruns"] or 0 for s in streams),
+        "ttfa_p50_s": _pct(ttfa, 50),
+        "ttfa_p95_s": _pct(ttfa, 95),
+        "ttfa_p99_s": _pct(ttfa, 99),
+        "rtf_p50": _pct(rtf, 50),
+        "rtf_p95": _pct(rtf, 95),
+        "rtf_max": max(rtf) if rtf else None,
+        "steady_rtf_p50": _pct(steady, 50),
+        "steady_rtf_p95": _pct(steady, 95),
+        "audio_s": audio_s,
+        "audio_s_per_s": audio_s / span if span else None,
+        "per_stream": streams,
+    }

@@ -1,0 +1,204 @@
+"""Batched decode for serving many Rumik streams: one decode step over many rows, gpt-fast
+style (issue 34).
+
+A static KV cache holds one row per stream ([layers, rows, kv heads, positions, head dim]);
+every row carries its own position, token count, seed and stop rules in device buffers, so
+the step has fixed shapes per (batch bucket, context bucket) and can be captured in a CUDA
+graph and replayed. One step, for the first `b` rows, over the first `s` cache positions:
+
+  ids[b] -> embedding -> 36 x (LN -> packed q,k,v,gate,up -> rotary on sliding layers ->
+  write k,v at each row's position -> SDPA over that row's filled positions (a per-row mask)
+  -> x + packed o+down) -> final LN -> stop head -> the row's codebook head (step % 8) ->
+  seeded top-k sample -> ids, positions, counts advance on the rows still generating.
+
+Prefill writes a new request's prompt (all but its last token) into a free row while the
+other rows keep their state; the next step then reads the last prompt token and samples the
+first audio token, so prefill needs no head of its own.
+
+The sampler draws with the Gumbel-max trick, its noise a hash of (row seed, token index,
+column): a row's tokens depend on its own seed and logits only, never on which other rows
+share the batch, so a row at batch N draws what it draws alone. Top-k = 1 is greedy.
+Same distribution as stock's top-k sampling (temperature, k over the allowed columns), a
+different random stream (like device_sampler). The codebook head is codebook_head's
+(APPROXIMATE: restricted to codebook step % 8 per row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orchestrate.api.config import SamplingConfig
+from orchestrate.families.rumik.engine import layer_norm, stock_engine
+from orchestrate.families.rumik.model import RumikModel
+from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
+from orchestrate.techniques.rumik.packed_projections import Packed
+from orchestrate.techniques.rumik.static_kv_cache import rotate_half_pairs
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values below 2**32 (products wrap
+    in int64; the mask keeps their low 32 bits, which are exact)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0,1) noise per (row seed [b], row token index [b], column [b, k]) -> [b, k]."""
+    h = _fmix32((seed[:, None] * 0x9E3779B1 + step[:, None]) & _M32)
+    h = _fmix32(h ^ ((cols * 0x85EBCA77 + 0x27D4EB2F) & _M32))
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits: uniform in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+class BatchedDecoder:
+    """The B-row cache, the per-row state buffers and the decode step over a bucket."""
+
+    @torch.no_grad()  # packed copies of the weights need no autograd history
+    def __init__(self, model: RumikModel, rows: int, max_seq_len: int, sampling: SamplingConfig):
+        lm, cfg = model.lm, model.config
+        dev, dt = lm.device, lm.dtype
+        self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
+        self.proj = Packed(stock_engine(model), fuse_output=True)
+        self.head = CurrentCodebookHead(model)
+        self.head_w = self.head.weight.flatten(0, 1)  # [8 * C, H]: every codebook in one matmul
+        self.columns = self.head.weight.shape[1]  # C = codebook units + end-of-audio
+        self.embed = lm.model.embed_tokens.weight
+        self.norms = [layer.input_layernorm.weight for layer in lm.model.layers]
+        self.final_norm, self.eps = lm.model.norm.weight, cfg.layer_norm_eps
+        self.sliding = [t == "sliding_attention" for t in cfg.layer_types]
+        self.window = cfg.sliding_window
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        shape = (len(self.norms), rows, self.hkv, max_seq_len, self.d)
+        self.k = torch.zeros(shape, dtype=dt, device=dev)
+        self.v = torch.zeros(shape, dtype=dt, device=dev)
+        inv_freq = lm.model.rotary_emb.inv_freq.float().to(dev)
+        angles = torch.outer(torch.arange(max_seq_len, device=dev).float(), inv_freq)
+        angles = torch.repeat_interleave(angles, 2, dim=-1)  # interleaved, as Cohere2
+        self.cos, self.sin = angles.cos().to(dt), angles.sin().to(dt)
+        self.kv_index = torch.arange(max_seq_len, device=dev)
+        self.row_index = torch.arange(rows, device=dev)
+        # Per-row state, read and advanced by the step on the device (graph-safe).
+        long = dict(dtype=torch.long, device=dev)
+        self.ids = torch.zeros(rows, **long)  # the token each row feeds next
+        self.pos = torch.zeros(rows, **long)  # its cache position
+        self.count = torch.zeros(rows, **long)  # audio tokens it has sampled
+        self.seed = torch.zeros(rows, **long)
+        self.active = torch.zeros(rows, **long)  # 1 while the row generates
+        self.allow_end = torch.zeros(rows, dtype=torch.bool, device=dev)  # length policy 'model'
+        self.out = torch.zeros(rows, **long)  # the token id each row sampled this step
+        self.stop_from = sampling.min_tokens_before_stop
+
+    # ------------------------------------------------------------------ the layers
+
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend
+    ) -> torch.Tensor:
+        """x [b, t, H] through every block; `attend(i, q, k, v)` writes the cache and attends."""
+        b, t = x.shape[:2]
+        for i, norm_w in enumerate(self.norms):
+            xn = layer_norm(x, norm_w, self.eps)
+            q, k, v, gate, up = self.proj.qkvgu(i, xn)
+            q = q.view(b, t, self.hq, self.d).transpose(1, 2)
+            k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
+            v = v.view(b, t, self.hkv, self.d).transpose(1, 2)
+            if self.sliding[i]:  # full-attention layers carry no positional encoding
+                q, k = rotate_half_pairs(q, cos, sin), rotate_half_pairs(k, cos, sin)
+            attn = attend(i, q, k, v).transpose(1, 2).reshape(b, t, self.hq * self.d)
+            x = self.proj.residual(i, x, attn, F.silu(gate) * up)
+        return layer_norm(x, self.final_norm, self.eps)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(
+        self, rows: list[int], prompts: list[list[int]], seeds: list[int], allow_end: list[bool]
+    ) -> None:
+        """Write each prompt but its last token into its row's cache (rows decoding elsewhere
+        are untouched) and arm the row: its next step reads the last prompt token."""
+        dev = self.ids.device
+        t = max(len(p) for p in prompts) - 1
+        r = torch.tensor(rows, device=dev)
+        if t > 0:  # right-padded; a padded position is overwritten before any row reads it
+            ids = torch.tensor([p[:-1] + [0] * (t + 1 - len(p)) for p in prompts], device=dev)
+            positions = torch.arange(t, device=dev)
+            cos, sin = self.cos[positions], self.sin[positions]
+            ahead = positions[:, None] - positions[None, :]
+            causal, sliding = ahead >= 0, (ahead >= 0) & (ahead < self.window)
+
+            def attend(i: int, q, k, v) -> torch.Tensor:
+                self.k[i, r, :, :t] = k
+                self.v[i, r, :, :t] = v
+                mask = sliding if self.sliding[i] else causal
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.d**-0.5, enable_gqa=True
+                )
+
+            self._layers(F.embedding(ids, self.embed), cos, sin, attend)
+        self.ids[r] = torch.tensor([p[-1] for p in prompts], device=dev)
+        self.pos[r] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        self.count[r] = 0
+        self.seed[r] = torch.tensor([s & _M32 for s in seeds], device=dev)
+        self.allow_end[r] = torch.tensor(allow_end, device=dev)
+        self.active[r] = 1
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, b: int, s: int) -> torch.Tensor:
+        """One token for rows [0, b) attending over positions [0, s): graph-capturable (reads
+        and writes only the state buffers). Returns `out[:b]`, the sampled token ids."""
+        pos, count, active = self.pos[:b], self.count[:b], self.active[:b]
+        x = F.embedding(self.ids[:b, None], self.embed)  # [b, 1, H]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
+        ahead = pos[:, None] - self.kv_index[None, :s]  # [b, s]
+        full = (ahead >= 0)[:, None, None]  # [b, 1, 1, s]: this row's filled positions
+        window = full & (ahead < self.window)[:, None, None]
+        rows = self.row_index[:b]
+        g = self.hq // self.hkv
+
+        def attend(i: int, q, k, v) -> torch.Tensor:
+            self.k[i, rows, :, pos] = k[:, :, 0]
+            self.v[i, rows, :, pos] = v[:, :, 0]
+            # The g query heads sharing a kv head become g query rows against it: no GQA
+            # expansion, one read of each row's cache per kv head.
+            out = F.scaled_dot_product_attention(
+                q.reshape(b, self.hkv, g, self.d),
+                self.k[i, :b, :, :s],
+                self.v[i, :b, :, :s],
+                attn_mask=window if self.sliding[i] else full,
+                scale=self.d**-0.5,
+            )
+            return out.reshape(b, self.hq, 1, self.d)
+
+        hidden = self._layers(x, cos, sin, attend)[:, 0]  # [b, H]
+        stop = torch.sigmoid(self.model.stop_head(hidden).float())[:, 0] > 0.5
+        token = self._sample(hidden, count, stop)
+        live = active.bool()
+        self.out[:b] = token
+        self.ids[:b] = torch.where(live, token, self.ids[:b])
+        pos.add_(active)
+        count.add_(active)
+        return self.out[:b]
+
+    def _sample(
+        self, hidden: torch.Tensor, count: torch.Tensor, stop: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's codebook (count % 8) logits -> a seeded top-k draw -> its token id."""
+        b, c = hidden.shape[0], self.columns
+        q = count % self.head.num_quantizers
+        every = (F.linear(hidden, self.head_w) * self.head.scale).float().view(b, -1, c)
+        logits = every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0]  # [b, C]
+        may_end = self.allow_end[:b] & (count >= self.stop_from)
+        end_col = torch.full_like(count, self.head.end)
+        cols = torch.arange(c, device=hidden.device)
+        allowed = (cols[None, :] != self.head.end) | may_end[:, None]
+        scores = logits.masked_fill(~allowed, float("-inf")) / self.sampling.temperature
+        top_vals, top_idx = torch.topk(scores, min(self.sampling.top_k, c), dim=-1)
+        noisy = top_vals + gumbel_noise(self.seed[:b], count, top_idx)
+        col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
+        col = torch.where(may_end & stop, end_col, col)  # the stop head forces end-of-audio
+        return self.head.ids[q, col]

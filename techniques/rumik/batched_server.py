@@ -1,0 +1,265 @@
+"""Continuous batching over batched_decode's rows: admit, step, hand back completed audio.
+
+The host loop, top to bottom, for one `step()`:
+  1. pick the bucket: b = the smallest batch bucket above the highest live row, s = the
+     smallest context bucket above the furthest live position;
+  2. replay that bucket's CUDA graph (captured in `warm_up`; eager on the CPU);
+  3. read the b sampled tokens back (the one host sync per step), append them per row;
+  4. a row whose token count reached its budget, or that sampled end-of-audio, is freed:
+     the next `admit` prefills a waiting request into it while the other rows go on;
+  5. every `chunk_frames` completed frames of a row are decoded by Mimi, batched across the
+     rows that completed one this step, before the step reports those frames ready.
+
+Codec: each chunk is decoded on its own (Mimi's decoder keeps no streaming state across
+chunks here), so the cost is measured but the audio at chunk edges is not what a streaming
+decode would give. With `codec=False` frames are reported ready as soon as sampled.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from orchestrate.api.config import SamplingConfig
+from orchestrate.families.rumik.model import RumikModel
+from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+
+class ServingError(ValueError):
+    """A request or load the server cannot take (checked before work starts)."""
+
+
+@dataclass
+class ServeRequest:
+    key: int
+    prompt_ids: list[int]
+    frames: int | None  # None: the model decides (stop head / end token), up to max_tokens
+    seed: int
+
+
+@dataclass
+class StepEvent:
+    key: int
+    frames_ready: int  # frames of this request whose audio is ready, in total
+    done: bool
+
+
+@dataclass
+class ServerStats:
+    steps: int = 0
+    step_rows: int = 0  # sum of bucket sizes stepped
+    prefills: int = 0
+    prefill_rows: int = 0
+    buckets_used: set[tuple[int, int]] = field(default_factory=set)
+
+
+def buckets(limit: int, small: tuple[int, ...], stride: int) -> list[int]:
+    """`small` sizes below `limit`, then multiples of `stride`, ending exactly at `limit`."""
+    out = [n for n in small if n < limit]
+    n = stride
+    while n < limit:
+        if not out or n > out[-1]:
+            out.append(n)
+        n += stride
+    return [*out, limit]
+
+
+class BatchedServer:
+    def __init__(
+        self,
+        model: RumikModel,
+        rows: int,
+        max_seq_len: int,
+        sampling: SamplingConfig,
+        *,
+        graphs: bool,
+        codec: bool,
+        chunk_frames: int = 1,
+        max_prefill_tokens: int = 4096,
+        ctx_stride: int = 128,
+    ):
+        self.model, self.sampling = model, sampling
+        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling)
+        self.per_frame = model.vocab.num_quantizers
+        self.graphs_on = graphs and model.device.type == "cuda"
+        self.codec_on, self.chunk_frames = codec, chunk_frames
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
+        self.ctx_buckets = buckets(max_seq_len, (), ctx_stride)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.stats = ServerStats()
+        # Host mirror of the rows.
+        self.row_key = np.full(rows, -1, dtype=np.int64)
+        self.row_budget = np.zeros(rows, dtype=np.int64)
+        self.row_pos = np.zeros(rows, dtype=np.int64)  # next cache position, as on the device
+        self.row_count = np.zeros(rows, dtype=np.int64)  # tokens sampled by the row's request
+        self.row_decoded = np.zeros(rows, dtype=np.int64)  # its frames handed to the codec
+        self.row_tokens = np.zeros((rows, sampling.max_new_tokens), dtype=np.int64)
+        self.tokens: dict[int, list[int]] = {}  # finished request key -> its token ids
+
+    @property
+    def rows(self) -> int:
+        return self.dec.rows
+
+    def free_rows(self) -> int:
+        return int((self.row_key < 0).sum())
+
+    def live(self) -> int:
+        return self.rows - self.free_rows()
+
+    def budget(self, req: ServeRequest) -> int:
+        cap = self.sampling.max_new_tokens
+        return cap if req.frames is None else min(cap, req.frames * self.per_frame)
+
+    def check(self, req: ServeRequest) -> None:
+        need = len(req.prompt_ids) + self.budget(req)
+        if need > self.dec.capacity:
+            raise ServingError(
+                f"request {req.key} needs {need} cache positions; the server has "
+                f"{self.dec.capacity}"
+            )
+
+    # ---------------------------------------------------------------- admission
+
+    def clear(self) -> None:
+        """Drop every row (a load level stopped by its time limit leaves some live)."""
+        self.row_key[:] = -1
+        self.dec.active.zero_()
+        self.tokens.clear()
+        self.stats = ServerStats()
+
+    @torch.inference_mode()
+    def admit(self, reqs: list[ServeRequest]) -> int:
+        """Prefill as many of `reqs` (in order) as there are free rows and prefill token
+        budget; returns how many were admitted."""
+        free = np.flatnonzero(self.row_key < 0)  # lowest rows first: keeps buckets small
+        take: list[ServeRequest] = []
+        tokens = 0
+        for req in reqs[: len(free)]:
+            self.check(req)
+            tokens += len(req.prompt_ids)
+            if take and tokens > self.max_prefill_tokens:
+                break
+            take.append(req)
+        if not take:
+            return 0
+        rows = [int(r) for r in free[: len(take)]]
+        self.dec.prefill(
+            rows,
+            [r.prompt_ids for r in take],
+            [r.seed for r in take],
+            [r.frames is None for r in take],
+        )
+        for row, req in zip(rows, take, strict=True):
+            self.row_key[row] = req.key
+            self.row_budget[row] = self.budget(req)
+            self.row_pos[row] = len(req.prompt_ids) - 1
+            self.row_count[row] = 0
+            self.row_decoded[row] = 0
+        self.stats.prefills += 1
+        self.stats.prefill_rows += len(take)
+        return len(take)
+
+    # ---------------------------------------------------------------- stepping
+
+    def bucket(self) -> tuple[int, int]:
+        live = np.flatnonzero(self.row_key >= 0)
+        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, int(live[-1]) + 1)]
+        s = self.ctx_buckets[
+            bisect.bisect_left(self.ctx_buckets, int(self.row_pos[live].max()) + 1)
+        ]
+        return b, s
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        if self.live() == 0:
+            return []
+        b, s = self.bucket()
+        if self.graphs_on:
+            graph, out = self.graphs.get((b, s)) or self._capture(b, s)
+            graph.replay()
+        else:
+            out = self.dec.step(b, s)
+        sampled = out.cpu().numpy()  # the step's one host sync
+        self.stats.steps += 1
+        self.stats.step_rows += b
+        self.stats.buckets_used.add((b, s))
+        return self._collect(sampled)
+
+    def _collect(self, sampled: np.ndarray) -> list[StepEvent]:
+        """Vectorised over rows (host time here is GPU idle time: the step has synced)."""
+        b, pf = len(sampled), self.per_frame
+        live = self.row_key[:b] >= 0
+        self.row_pos[:b] += live
+        ended = live & (sampled == self.model.vocab.end_id)
+        keep = np.flatnonzero(live & ~ended)
+        self.row_tokens[keep, self.row_count[keep]] = sampled[keep]
+        self.row_count[keep] += 1
+        count = self.row_count[:b]
+        done = live & (ended | (count >= self.row_budget[:b]))
+        pending = count // pf - self.row_decoded[:b]
+        chunk = live & ((pending >= self.chunk_frames) | (done & (pending > 0)))
+        rows = np.flatnonzero(chunk)
+        if self.codec_on and len(rows):
+            self._decode(rows, self.row_decoded[rows], pending[rows])
+        self.row_decoded[rows] += pending[rows]
+        events = [
+            StepEvent(int(self.row_key[r]), int(self.row_decoded[r]), bool(done[r]))
+            for r in np.flatnonzero(chunk | done)
+        ]
+        for r in np.flatnonzero(done):
+            self.tokens[int(self.row_key[r])] = self.row_tokens[r, : count[r]].tolist()
+            self.row_key[r] = -1
+        if done.any():
+            self.dec.active[torch.from_numpy(np.flatnonzero(done))] = 0
+        return events
+
+    def _decode(self, rows: np.ndarray, first: np.ndarray, frames: np.ndarray) -> None:
+        """Mimi-decode each row's pending frames, batched by chunk length; waits for the
+        audio (its samples reach the host, as a server sends them)."""
+        vocab, pf = self.model.vocab, self.per_frame
+        for n in np.unique(frames):
+            sel = frames == n
+            idx = first[sel, None] * pf + np.arange(n * pf)[None, :]
+            toks = torch.from_numpy(self.row_tokens[rows[sel, None], idx])
+            # positional codes: token i fills codebook i % 8 of its frame
+            codes = (toks - vocab.first_unit_id).clamp(0, vocab.num_units - 1) // pf
+            codes = codes.view(len(toks), int(n), pf).transpose(1, 2)
+            self.model.codec.decode(codes.to(self.model.device)).audio_values.float().cpu()
+
+    # ---------------------------------------------------------------- graphs
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Capture every (batch, context) bucket's step graph up front, so no capture lands
+        inside a timed load level. Returns the number captured (0 on the CPU)."""
+        if not self.graphs_on:
+            return 0
+        for b in self.batch_buckets:
+            for s in self.ctx_buckets:
+                self._capture(b, s)
+        return len(self.graphs)
+
+    def _capture(self, b: int, s: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        d = self.dec
+        saved = [t.clone() for t in (d.ids, d.pos, d.count, d.out)]
+        active = d.active.clone()
+        d.active.zero_()  # warm-up and capture runs must not advance any live row
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                d.step(b, s)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+        with torch.cuda.graph(graph, pool=pool):
+            out = d.step(b, s)
+        for t, v in zip((d.ids, d.pos, d.count, d.out), saved, strict=True):
+            t.copy_(v)
+        d.active.copy_(active)
+        self.graphs[(b, s)] = (graph, out)
+        return graph, out

@@ -1,0 +1,219 @@
+"""Serving many streams (issue 34): the batched Rumik decode path, continuous batching, the
+load driver's figures and bad loads. CPU, tiny model, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrate.api.config import ModelSpec, SamplingConfig, StackSpec, TechniqueRef
+from orchestrate.api.registry import build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.rumik.vocab import build_prompt
+from orchestrate.running.serving import (
+    Load,
+    LoadError,
+    StreamRecord,
+    arrivals,
+    check_load,
+    drive,
+    summarise,
+)
+from orchestrate.techniques.rumik.batched_server import BatchedServer, ServeRequest, ServingError
+
+FAMILY = get_family("rumik")
+GREEDY = SamplingConfig(top_k=1)
+TOPK = SamplingConfig()  # T 0.8, k 30: the seeded per-row sampler
+TEXTS = ["Hello there.", "A longer sentence to make a longer prompt.", "Short.", "Four!"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return FAMILY.build_model(ModelSpec(preset="tiny", device="cpu", dtype="float32"))
+
+
+def prompt(model, text: str) -> list[int]:
+    return model.encode_prompt(build_prompt(text, "Ira", "neutral"))
+
+
+def serve(model, reqs: list[ServeRequest], rows: int, sampling: SamplingConfig) -> BatchedServer:
+    server = BatchedServer(model, rows, 256, sampling, graphs=False, codec=True)
+    waiting = list(reqs)
+    while waiting or server.live():
+        waiting = waiting[server.admit(waiting) :]
+        server.step()
+    return server
+
+
+def single_stream_tokens(model, ids: list[int], frames: int) -> list[int]:
+    """The family's single-stream stack with the same parts (static cache, packed
+    projections, codebook head), host loop, greedy (top-k 1)."""
+    spec = StackSpec(
+        name="s",
+        techniques=[TechniqueRef(name=n) for n in ("static_kv_cache", "packed_projections")]
+        + [TechniqueRef(name="codebook_head")],
+    )
+    engine = FAMILY.build_engine(model, build_stack(spec, DeviceCaps("cpu"), strict=True))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        return engine.loop(engine, ids, frames, GREEDY, gen).tokens
+
+
+def test_batch_one_matches_the_single_stream_stack(model):
+    ids = prompt(model, TEXTS[1])
+    server = serve(model, [ServeRequest(0, ids, 6, seed=3)], rows=1, sampling=GREEDY)
+    assert server.tokens[0] == single_stream_tokens(model, ids, 6)
+    assert len(server.tokens[0]) == 48
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, TOPK], ids=["greedy", "seeded-top-k"])
+def test_each_row_matches_its_batch_one_run(model, sampling):
+    """Rows of different prompt lengths and budgets, 2 rows for 4 requests: freed rows are
+    refilled mid-run, and every request's tokens equal its run alone."""
+    reqs = [ServeRequest(k, prompt(model, t), 2 + k, seed=100 + k) for k, t in enumerate(TEXTS)]
+    together = serve(model, reqs, rows=2, sampling=sampling)
+    assert together.stats.prefills >= 3  # requests 2 and 3 went into freed rows
+    for req in reqs:
+        alone = serve(model, [req], rows=1, sampling=sampling)
+        assert together.tokens[req.key] == alone.tokens[req.key], req.key
+        assert len(alone.tokens[req.key]) == req.frames * 8
+
+
+def test_seeds_change_the_draw(model):
+    ids = prompt(model, TEXTS[0])
+    a = serve(model, [ServeRequest(0, ids, 4, seed=1)], 1, TOPK).tokens[0]
+    b = serve(model, [ServeRequest(0, ids, 4, seed=2)], 1, TOPK).tokens[0]
+    assert a != b
+
+
+def test_refill_reuses_a_freed_row(model):
+    server = BatchedServer(model, 1, 256, GREEDY, graphs=False, codec=False)
+    first = ServeRequest(0, prompt(model, TEXTS[0]), 1, seed=0)
+    second = ServeRequest(1, prompt(model, TEXTS[2]), 2, seed=0)
+    assert server.admit([first, second]) == 1  # one row
+    events = []
+    while server.live():
+        events += server.step()
+    assert events[-1].key == 0 and events[-1].done
+    assert server.admit([second]) == 1 and server.row_key[0] == 1
+    while server.live():
+        server.step()
+    assert len(server.tokens[1]) == 16
+
+
+def test_request_beyond_the_cache_is_refused(model):
+    server = BatchedServer(model, 1, 64, GREEDY, graphs=False, codec=False)
+    with pytest.raises(ServingError, match="cache positions"):
+        server.admit([ServeRequest(0, prompt(model, TEXTS[0]), 40, seed=0)])
+
+
+def test_driver_times_every_frame(model):
+    server = BatchedServer(model, 2, 256, GREEDY, graphs=False, codec=True)
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k]), 3, seed=k) for k in range(3)]
+    records, wall = drive(server, reqs, [0.0, 0.0, 0.0], [3, 3, 3], time_limit_s=60)
+    level = summarise(records, 0.08, 1)
+    assert level["streams"] == 3 and level["incomplete"] == 0
+    assert all(len(r.frame_ready_s) == 3 for r in records)
+    assert level["ttfa_p50_s"] > 0 and wall > 0
+
+
+def test_underruns_are_counted_per_chunk():
+    # First chunk ready at 1.0; chunk 1 due 1.08 (ready 1.05: on time), chunk 2 due 1.16
+    # (ready 1.30: late), chunk 3 due 1.24 (ready 1.31: late).
+    rec = StreamRecord(0, 0.5, 4, 0.5, [1.0, 1.05, 1.30, 1.31], done=True)
+    level = summarise([rec], 0.08, 1)
+    assert level["underruns_total"] == 2 and level["served"] == 0 and level["behind"] == 1
+    assert level["ttfa_p50_s"] == pytest.approx(0.5)
+    ok = StreamRecord(1, 0.0, 2, 0.0, [0.1, 0.15], done=True)
+    assert summarise([ok], 0.08, 1)["served"] == 1
+
+
+@pytest.mark.parametrize(
+    "load, message",
+    [
+        (Load(concurrency=0), "at least 1"),
+        (Load(concurrency=9), "exceeds the cache's 8 rows"),
+        (Load(rate=5.0), "without a duration"),
+        (Load(duration_s=3.0), "needs an arrival rate"),
+    ],
+)
+def test_bad_loads(load, message):
+    with pytest.raises(LoadError, match=message):
+        check_load(load, rows=8)
+
+
+def test_poisson_arrivals_are_seeded_and_bounded():
+    load = Load(rate=50.0, duration_s=2.0)
+    a, b = arrivals(load, 1), arrivals(load, 1)
+    assert a == b and all(0 < t <= 2.0 for t in a) and 60 < len(a) < 140
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphed_buckets_match_eager_on_gpu(dtype):
+    """CUDA graphs per (batch, context) bucket replay the eager step: same tokens per row,
+    with rows refilled mid-run (float32 and bfloat16; greedy and seeded top-k alike)."""
+    gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype=dtype))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    runs = []
+    for graphs in (False, True):
+        server = BatchedServer(gpu_model, 2, 256, TOPK, graphs=graphs, codec=True)
+        assert server.warm_up() == (
+            len(server.batch_buckets) * len(server.ctx_buckets) if graphs else 0
+        )
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        runs.append(server.tokens)
+    assert runs[0] == runs[1]
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--levels", "0"], "concurrency must be at least 1"),
+        (["--levels", "2,8", "--rows", "4"], "exceeds the cache's 4 rows"),
+        (["--poisson", "5"], "without a duration"),
+    ],
+)
+def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
+    import orchestrate.api.registry as registry
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(registry, "get_family", no_model)
+    assert _bench().main(["--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err
+
+
+def test_benchmark_end_to_end_on_cpu(tmp_path):
+    import json
+
+    out = tmp_path / "s.json"
+    argv = ["--device", "cpu", "--levels", "1,2", "--baseline-levels", "2", "--frames", "2"]
+    assert _bench().main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and not doc["skipped"]
+    paths = [(lv["path"], lv["concurrency"]) for lv in doc["levels"]]
+    assert paths == [("ours", 1), ("ours", 2), ("baseline_b", 2)]
+    for lv in doc["levels"]:
+        assert "error" not in lv, lv.get("traceback")
+        assert lv["streams"] == lv["concurrency"] and lv["incomplete"] == 0
+        assert lv["ttfa_p95_s"] > 0 and lv["audio_s"] == pytest.approx(lv["streams"] * 0.16)
+    assert doc["environment"]["git_sha"] and doc["not_built"]
