@@ -25,5 +25,5 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.11.0" "torchaudio==2.11.0"
-.venv/bin/python -m pip install -q -e ".[orchestrator,dev,quality,omnivoice]"
+.venv/bin/python -m pip install -q -e ".[orchestrator,dev,quality,omnivoice,postgres,ray]"
 .venv/bin/python -m pip install -q --no-deps "omnivoice==0.2.1"

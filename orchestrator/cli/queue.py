@@ -2,13 +2,15 @@
 
 `submit` plans a job as `run` does (every refusal before anything is queued) and returns
 its id at once; `workers` starts a pool on this host that drains the queue (one worker per
-GPU, or `cpu:N`), or with `--list` shows the live workers; `queue` shows every job with
+GPU, or `cpu:N`; `--backend ray`: on a Ray cluster's GPUs), or without `--gpus` shows the
+live workers (with `--backend ray`, the cluster's nodes); `queue` shows every job with
 where it runs, its heartbeat and its last progress line; `cancel` stops a job.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +40,7 @@ from orchestrate.cli.planning import (
     StrictOpt,
     WorkloadOpt,
 )
+from orchestrate.reports.tables import ReadableTable
 
 
 def submit(
@@ -152,6 +155,11 @@ def cancel(
     console.print(f"job {before['id']} cancelled{where}")
 
 
+class Backend(StrEnum):
+    local = "local"
+    ray = "ray"
+
+
 def workers(
     gpus: Annotated[
         str | None,
@@ -170,16 +178,43 @@ def workers(
         float,
         typer.Option(min=1.0, help="Seconds of silence after which another host's worker is dead."),
     ] = 120.0,
+    backend: Annotated[
+        Backend, typer.Option(help="local: processes on this host; ray: a Ray cluster's GPUs.")
+    ] = Backend.local,
+    address: Annotated[
+        str,
+        typer.Option(
+            help="With --backend ray: local (a cluster in this process), auto (the one "
+            "running here) or HOST:PORT / ray://HOST:PORT."
+        ),
+    ] = "auto",
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Start a pool of workers on this host (--gpus), or list the live ones (no --gpus)."""
+    """Start a pool of workers (--gpus), or list the live ones (no --gpus; with --backend
+    ray, the cluster's GPUs and which jobs run where)."""
+    from orchestrate.running.pool import Cadence
     from orchestrate.store.queue import PoolRefused
 
     store = open_store(db)
+    say = lambda line: console.print(escape(line), highlight=False)  # noqa: E731
+    cadence = Cadence(poll, heartbeat, stale_after)
+    if backend is Backend.ray:
+        from orchestrate.running import ray_pool
+
+        try:
+            if gpus is None:
+                return _list_cluster(store, ray_pool.connect(address), as_json)
+            rc = ray_pool.start_ray_pool(
+                store, address, gpus, runs_dir.resolve(), track=mlflow,
+                exit_when_idle=exit_when_idle, cadence=cadence, say=say,
+            )  # fmt: skip
+        except (ray_pool.RayUnavailable, PoolRefused) as exc:
+            fail(str(exc))
+        raise typer.Exit(rc)
     if gpus is None:
         return _list_workers(store, as_json)
-    from orchestrate.running.pool import Cadence, parse_slots, start_pool
+    from orchestrate.running.pool import parse_slots, start_pool
 
     try:
         slots = parse_slots(gpus, _gpu_count)
@@ -188,12 +223,37 @@ def workers(
     try:
         rc = start_pool(
             store, store.url, slots, runs_dir.resolve(), track=mlflow,
-            exit_when_idle=exit_when_idle, cadence=Cadence(poll, heartbeat, stale_after),
-            say=lambda line: console.print(escape(line), highlight=False),
+            exit_when_idle=exit_when_idle, cadence=cadence, say=say,
         )  # fmt: skip
     except PoolRefused as exc:
         fail(str(exc))
     raise typer.Exit(rc)
+
+
+def _list_cluster(store: Any, ray: Any, as_json: bool) -> None:
+    """The Ray cluster's nodes (GPUs, CPU slots) and the jobs its pool runs on each."""
+    from orchestrate.running.ray_pool import describe_cluster
+
+    store.reap_dead()
+    nodes = describe_cluster(ray)
+    live = [w for w in store.live_workers() if w["slot"].startswith("ray:")]
+    for node in nodes:
+        node["workers"] = [
+            {"slot": w["slot"], "job": w["job_id"], "heartbeat_at": w["heartbeat_at"]}
+            for w in live
+            if w["slot"].split(":")[1] == node["node"]
+        ]
+    if as_json:
+        print_json(nodes)
+        return
+    table = ReadableTable(title=f"Ray cluster: {len(nodes)} nodes")
+    for col in ("node", "GPUs", "CPU slots", "jobs running"):
+        table.add_column(col)
+    for n in nodes:
+        gpus = f"{n['gpus']} x {n['gpu_type']}" if n["gpu_type"] else str(n["gpus"])
+        jobs = ", ".join(f"{w['slot']}: {w['job'] or 'idle'}" for w in n["workers"])
+        table.add_row(n["node"], gpus, str(n["cpu_slots"]), jobs or "no pool worker")
+    console.print(table)
 
 
 def _gpu_count() -> int:

@@ -37,7 +37,13 @@ from orchestrate.api.scheduling import (
 )
 from orchestrate.running import runner
 from orchestrate.running.environment import hardware_key, local_hardware
-from orchestrate.running.runner import Interrupted, Outcome, WorkerLaunch, comparisons
+from orchestrate.running.runner import (
+    Interrupted,
+    Outcome,
+    WorkerLaunch,
+    WorkerLost,
+    comparisons,
+)
 from orchestrate.running.warm import WarmWorker
 from orchestrate.store.queue import Claim, ClaimLost
 
@@ -290,6 +296,10 @@ def run_claimed(
             if outcome.reused:
                 outcome = _served(store, claim, outcome, measure)
         except ClaimLost:
+            raise
+        except WorkerLost as exc:  # its process died, not this one: another attempt
+            with suppress(Exception):
+                store.requeue_claimed(claim, str(exc))
             raise
         except (KeyboardInterrupt, Interrupted) as exc:
             with suppress(Exception):

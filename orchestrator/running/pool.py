@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import Any, Literal
 
 from orchestrate.api.scheduling import Capabilities
 from orchestrate.running.executor import run_claimed
-from orchestrate.running.runner import Interrupted, die_with_parent
+from orchestrate.running.runner import Interrupted, WorkerLaunch, WorkerLost, die_with_parent
 from orchestrate.running.warm import WarmWorker
 from orchestrate.store.errors import StoreError
 from orchestrate.store.queue import ClaimLost
@@ -87,9 +88,39 @@ def parse_slots(spec: str, gpu_count: Callable[[], int]) -> list[Slot]:
 # ---------------------------------------------------------------------------- member
 
 
+@dataclass
+class Member:
+    """What one pool member runs its jobs with. A local member is a process of its own on
+    one GPU (`local_member`); a Ray member is a thread here whose jobs run in a Ray actor
+    holding one GPU somewhere in the cluster (running.ray_pool)."""
+
+    worker_id: str
+    slot: str
+    caps: Capabilities
+    launch: WorkerLaunch
+    close: Callable[[], None]
+    # Before each claim: can its worker take a job? (A Ray actor restarting after a death
+    # is waited for; one gone for good ends the member instead of failing jobs.)
+    ready: Callable[[], bool] = lambda: True
+
+
+def local_member(slot: Slot, runs_dir: Path) -> Member:
+    """This process on `slot`'s device, its jobs in a warm worker subprocess."""
+    families = tuple(sorted(ep.name for ep in entry_points(group="orchestrate.families")))
+    (runs_dir / "pool").mkdir(parents=True, exist_ok=True)
+    warm = WarmWorker(runs_dir / "pool", name=f"worker-{slot.name.replace(':', '')}")
+    return Member(
+        f"{socket.gethostname()}:{os.getpid()}:{slot.name}",
+        slot.name,
+        Capabilities.probe(slot.device, families),
+        warm,
+        warm.close,
+    )
+
+
 def serve(
     store: Any,
-    slot: Slot,
+    member: Member,
     runs_dir: Path,
     pool_id: str,
     *,
@@ -97,48 +128,65 @@ def serve(
     exit_when_idle: bool,
     cadence: Cadence = Cadence(),
     say: Say = print,
+    stop: threading.Event | None = None,
 ) -> int:
-    """One member: claim, run, record, until stopped (or idle, with `exit_when_idle`)."""
-    families = tuple(sorted(ep.name for ep in entry_points(group="orchestrate.families")))
-    caps = Capabilities.probe(slot.device, families)
-    worker_id = f"{socket.gethostname()}:{os.getpid()}:{slot.name}"
-    store.register_worker(worker_id, pool_id, slot.name, caps)
-    (runs_dir / "pool").mkdir(parents=True, exist_ok=True)
-    warm = WarmWorker(runs_dir / "pool", name=f"worker-{slot.name.replace(':', '')}")
-    say(f"[{slot.name}] ready on {caps.label()}")
+    """One member: claim, run, record, until stopped (`stop`, a signal) or idle (with
+    `exit_when_idle`). Returns 0, or 1 when its worker was lost more than MAX_RESTARTS
+    times (a Ray actor that keeps dying)."""
+    name, caps = member.slot, member.caps
+    store.register_worker(member.worker_id, pool_id, name, caps)
+    say(f"[{name}] ready on {caps.label()}")
+    lost = 0
     try:
-        while True:
+        while stop is None or not stop.is_set():
+            if not member.ready():
+                say(f"[{name}] its worker is gone for good: stopping this slot")
+                return 1
             if store.reap_dead(cadence.stale_s):
                 store.reconcile_stale()  # the dead worker's run row: INTERRUPTED, resumable
-            claim = store.claim_job(worker_id, caps)
+            claim = store.claim_job(member.worker_id, caps)
             if claim is None:
                 if exit_when_idle and store.jobs_left(caps) == 0:
-                    say(f"[{slot.name}] queue empty: stopping")
+                    say(f"[{name}] queue empty: stopping")
                     return 0
-                store.beat(worker_id)
+                store.beat(member.worker_id)
                 time.sleep(cadence.poll_s)
                 continue
             label = store.get_job(claim.job_id)["label"]
-            say(f"[{slot.name}] job {claim.job_id} (attempt {claim.attempt}): {label}")
+            say(f"[{name}] job {claim.job_id} (attempt {claim.attempt}): {label}")
             t0 = time.monotonic()
             try:
                 outcome = run_claimed(
-                    store, claim, runs_dir, warm, track=track, beat_s=cadence.beat_s, release=True
+                    store,
+                    claim,
+                    runs_dir,
+                    member.launch,
+                    track=track,
+                    beat_s=cadence.beat_s,
+                    release=True,
                 )
             except ClaimLost as exc:
-                say(f"[{slot.name}] job {claim.job_id} not recorded: {exc}")
+                say(f"[{name}] job {claim.job_id} not recorded: {exc}")
+                continue
+            except WorkerLost as exc:
+                lost += 1
+                say(f"[{name}] job {claim.job_id} goes back to the queue: {exc}")
+                if lost > MAX_RESTARTS:
+                    say(f"[{name}] its worker was lost {lost} times: giving up this slot")
+                    return 1
                 continue
             except (KeyboardInterrupt, Interrupted):
                 raise
             except Exception as exc:
-                say(f"[{slot.name}] job {claim.job_id} failed: {type(exc).__name__}: {exc}")
+                say(f"[{name}] job {claim.job_id} failed: {type(exc).__name__}: {exc}")
                 continue
             what = outcome.error or f"run {outcome.run_id[:12]} {outcome.status}"
-            say(f"[{slot.name}] job {claim.job_id} done in {time.monotonic() - t0:.1f} s: {what}")
+            say(f"[{name}] job {claim.job_id} done in {time.monotonic() - t0:.1f} s: {what}")
+        return 0
     finally:
-        warm.close()
+        member.close()
         with contextlib.suppress(StoreError):  # gone: reap_dead elsewhere sees the pid gone
-            store.unregister_worker(worker_id)
+            store.unregister_worker(member.worker_id)
 
 
 def _member_main(argv: list[str] | None = None) -> int:
@@ -166,7 +214,7 @@ def _member_main(argv: list[str] | None = None) -> int:
     try:
         return serve(
             store,
-            Slot(a.slot, a.device),
+            local_member(Slot(a.slot, a.device), a.runs_dir),
             a.runs_dir,
             a.pool_id,
             track=not a.no_mlflow,

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,12 @@ from orchestrate.store.queue import Claim, ClaimLost
 
 class WorkerFailed(RuntimeError):
     pass
+
+
+class WorkerLost(RuntimeError):
+    """The process running the job went away with it while the orchestrator lives on (a
+    Ray actor or its node died): the run is INTERRUPTED and the job goes back to the queue,
+    its attempt recorded (store.requeue_claimed)."""
 
 
 class Interrupted(RuntimeError):
@@ -267,7 +274,10 @@ def execute(
     )
     job.write(job_path)
     run_id = store.begin_run(job, ident)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM interrupts the run (resumable); only the main thread may set it (a Ray pool
+    # runs its members on threads, and its own main thread turns signals into a stop).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     try:
         rc = (worker or spawn_worker)(job_path, result_path, log_path, on_event)
         if not result_path.exists():
@@ -283,6 +293,10 @@ def execute(
         return outcome
     except (KeyboardInterrupt, Interrupted) as exc:
         store.fail_run(run_id, "INTERRUPTED", str(exc) or "interrupted (Ctrl-C)")
+        raise
+    except WorkerLost as exc:
+        with suppress(Exception):
+            store.fail_run(run_id, "INTERRUPTED", str(exc))
         raise
     except WorkerFailed as exc:
         error = str(exc) + _resume_hint(run_id, job_dir)
@@ -301,7 +315,8 @@ def execute(
             store.fail_run(run_id, "FAILED", f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _resume_hint(run_id: str, job_dir: Path) -> str:

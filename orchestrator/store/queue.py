@@ -167,6 +167,20 @@ class QueueMixin(Sessions):
             row.state, row.worker_id, row.attempts = "PENDING", None, row.attempts - 1
             _history(row, {"released": why, "at": utcnow()})
 
+    def requeue_claimed(self, claim: Claim, why: str) -> str:
+        """The claimed job's worker died with it while its claimer lives (a Ray actor):
+        the attempt is recorded and the job goes back to the queue, or FAILED past
+        `max_attempts`. Returns the job's new state ("" when the claim was already lost)."""
+        with self._write() as s:
+            row = s.get(QueuedJob, claim.job_id)
+            if row is None or row.state != "RUNNING" or row.worker_id != claim.worker_id:
+                return ""
+            _give_back(row, why)
+            worker = s.get(PoolWorker, claim.worker_id)
+            if worker is not None:
+                worker.job_id = None
+            return row.state
+
     def fail_claimed(self, claim: Claim, error: str, run_id: str | None = None) -> None:
         """The claimed job failed where no run could say so (it did not plan, the worker
         process could not start): FAILED with `error`. A lost claim is left alone."""
@@ -319,17 +333,7 @@ class QueueMixin(Sessions):
                     why = _owner_gone(row, cutoff)
                 if why is None:
                     continue
-                entry = {"attempt": row.attempts, "worker": row.worker_id, "ended": why}
-                _history(row, entry | {"at": utcnow()})
-                if row.attempts >= row.max_attempts:
-                    attempts = "; ".join(
-                        f"attempt {h['attempt']} on {h['worker']}: {h['ended']}"
-                        for h in json.loads(row.history_json)
-                        if "ended" in h
-                    )
-                    _end(row, "FAILED", error=f"failed after {row.attempts} attempts ({attempts})")
-                else:
-                    row.state, row.worker_id = "PENDING", None
+                _give_back(row, why)
                 reaped.append(row.id)
         return reaped
 
@@ -360,6 +364,22 @@ def _owner_gone(row: QueuedJob, cutoff: Any) -> str | None:
     if row.heartbeat_at is None or row.heartbeat_at < cutoff:
         return f"no heartbeat from {row.worker_id}"
     return None
+
+
+def _give_back(row: QueuedJob, why: str) -> None:
+    """Record how the running attempt ended; PENDING again, or FAILED listing every
+    attempt once it has had `max_attempts`."""
+    entry = {"attempt": row.attempts, "worker": row.worker_id, "ended": why}
+    _history(row, entry | {"at": utcnow()})
+    if row.attempts >= row.max_attempts:
+        attempts = "; ".join(
+            f"attempt {h['attempt']} on {h['worker']}: {h['ended']}"
+            for h in json.loads(row.history_json)
+            if "ended" in h
+        )
+        _end(row, "FAILED", error=f"failed after {row.attempts} attempts ({attempts})")
+    else:
+        row.state, row.worker_id = "PENDING", None
 
 
 def _held(s: Session, claim: Claim) -> QueuedJob:

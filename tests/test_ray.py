@@ -1,0 +1,232 @@
+"""The Ray backend (running.ray_pool, `orchestrate workers --backend ray`).
+
+The end-to-end test starts a real Ray cluster in the pool's process (`--address local`,
+two CPU slots as the custom resource `orchestrate_cpu_slot`), runs six tiny jobs and kills
+one slot's actor with SIGKILL mid-job: Ray restarts the actor, the queue re-runs the job,
+and every job is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from factories import run_cli
+
+from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
+from orchestrate.api.protocol import load_protocol
+from orchestrate.api.records import JobSpec
+from orchestrate.api.scheduling import Capabilities
+from orchestrate.running import ray_pool
+from orchestrate.running.executor import Submission, run_claimed
+from orchestrate.running.plan import plan_job
+from orchestrate.running.runner import WorkerLost
+from orchestrate.store.store import Store
+
+pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+
+CPU = Capabilities(device="cpu", families=("rumik",))
+TINY = Workload(
+    name="q",
+    prompts=[Prompt(id="a", text="A short sentence.")],
+    seeds=[42],
+    warmups=0,
+    length_policy={"mode": "fixed", "frames": 4},
+    save_audio=0,
+)
+
+
+def job(tmp_path: Path) -> JobSpec:
+    return plan_job(
+        ModelSpec(preset="tiny", device="cpu"), TINY, [StackSpec(name="stock")],
+        load_protocol("protocol"), tmp_path / "runs", fidelity_steps=0, check_device=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("ORCHESTRATE_CODE_SHA", "5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e")
+    with Store(f"sqlite:///{tmp_path / 'o.db'}") as s:
+        yield s
+
+
+# ------------------------------------------------------------------- shipping folders
+
+
+def test_job_folders_travel_with_their_paths_rewritten_and_never_leave_their_folder(
+    tmp_path: Path,
+) -> None:
+    node, driver = tmp_path / "node" / "job1", tmp_path / "driver" / "job1"
+    (node / "stock").mkdir(parents=True)
+    (node / "result.json").write_text(json.dumps({"output_dir": str(node), "n": 1}))
+    (node / "stock" / "a_s1.wav").write_bytes(b"RIFF" + str(node).encode())  # binary: as is
+    files = ray_pool._pack(node, str(node), str(driver))
+    assert json.loads(files["result.json"])["output_dir"] == str(driver)
+    assert files["stock/a_s1.wav"] == b"RIFF" + str(node).encode()
+    ray_pool._unpack(driver, files, "", "")
+    assert json.loads((driver / "result.json").read_text())["output_dir"] == str(driver)
+    assert (driver / "stock" / "a_s1.wav").exists()
+    with pytest.raises(ValueError, match="outside"):
+        ray_pool._unpack(driver, {"../../escaped.txt": b"x"}, "", "")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+# ---------------------------------------------------------------------- the cluster
+
+
+class FakeRay:
+    def __init__(self, *resources: dict[str, float]) -> None:
+        self._nodes = [
+            {"Alive": True, "NodeID": f"n{i}", "NodeManagerAddress": f"10.0.0.{i}",
+             "Resources": r}
+            for i, r in enumerate(resources)
+        ]  # fmt: skip
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._nodes
+
+
+def test_slots_come_from_what_the_cluster_offers() -> None:
+    gpus = FakeRay({"GPU": 2, "accelerator_type:H200": 1}, {"GPU": 1}, {"CPU": 8})
+    assert [s.name for s in ray_pool.cluster_slots(gpus, "all")] == [
+        "ray:10.0.0.0:gpu0", "ray:10.0.0.0:gpu1", "ray:10.0.0.1:gpu0",
+    ]  # fmt: skip
+    cpus = FakeRay({ray_pool.CPU_SLOT: 1}, {ray_pool.CPU_SLOT: 2})
+    assert len(ray_pool.cluster_slots(cpus, "cpu:3")) == 3
+    with pytest.raises(ray_pool.RayUnavailable, match="offers 3 CPU slots"):
+        ray_pool.cluster_slots(cpus, "cpu:4")
+    with pytest.raises(ray_pool.RayUnavailable, match="no GPU"):
+        ray_pool.cluster_slots(cpus, "all")
+    with pytest.raises(ray_pool.RayUnavailable, match="use all .* or cpu:N"):
+        ray_pool.cluster_slots(gpus, "0,1")
+    assert ray_pool.describe_cluster(gpus)[0]["gpu_type"] == "H200"
+
+
+# ------------------------------------------------------------------- a lost worker
+
+
+def test_a_lost_worker_requeues_its_job_recording_each_attempt_then_fails_it(
+    store: Any, tmp_path: Path
+) -> None:
+    """WorkerLost (a Ray actor died with the job): the run is INTERRUPTED, the job goes
+    back to the queue with the attempt in its history, and FAILED after max_attempts."""
+
+    def dies(job_path: Path, result_path: Path, log_path: Path, on_event: Any) -> int:
+        raise WorkerLost("Ray actor ray:x:cpu0 died mid-job: killed")
+
+    job_id = store.enqueue(job(tmp_path), Submission(job(tmp_path)).requirements(),
+                           max_attempts=2)  # fmt: skip
+    for attempt in (1, 2):
+        claim = store.claim_job("w", CPU)
+        assert claim is not None and claim.attempt == attempt
+        with pytest.raises(WorkerLost):
+            run_claimed(store, claim, tmp_path / "runs", dies, track=False)
+        assert store.get_job(job_id)["state"] == ("PENDING" if attempt == 1 else "FAILED")
+    row = store.get_job(job_id)
+    assert "failed after 2 attempts" in row["error"] and "died mid-job" in row["error"]
+    assert [r["status"] for r in store.list_runs()] == ["INTERRUPTED", "INTERRUPTED"]
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line_and_claims_nothing(
+    tmp_path: Path,
+) -> None:
+    env = os.environ | {"ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    wl = tmp_path / "wl.yaml"
+    wl.write_text(TINY.model_dump_json())
+    sub = run_cli(["submit", "--stack", "cpu-fast", "--workload", str(wl),
+                   "--fidelity-steps", "0", "--json"], env, tmp_path)  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    out = run_cli(["workers", "--backend", "ray", "--address", "127.0.0.1:9", "--gpus", "all"],
+                  env, tmp_path)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: the Ray cluster at 127.0.0.1:9 does not answer (Connection refused): start "
+        "its head with `ray start --head --port 9`, or pass the right --address"
+    ]
+    with Store(env["ORCHESTRATE_DB_URL"]) as s:
+        (queued,) = s.list_jobs()
+    assert queued["state"] == "PENDING" and queued["attempts"] == 0
+
+
+def test_without_the_ray_package_the_backend_says_how_to_install_it(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['ray'] = None; "  # as if ray were not installed
+        "from orchestrate.cli.app import app; "
+        f"sys.argv = ['orchestrate', 'workers', '--backend', 'ray', '--gpus', 'cpu:1', "
+        f"'--db', 'sqlite:///{tmp_path / 'o.db'}']; app()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "error: the Ray backend needs the ray package: pip install 'orchestrate[ray]'"
+    )
+
+
+# ----------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "7" * 40}
+    wl = tmp_path / "wl.yaml"
+    ids = []
+    for seed in range(6):
+        wl.write_text(json.dumps(TINY.model_copy(update={"seeds": [seed]}).model_dump()))
+        out = run_cli(["submit", "--stack", "cpu-fast", "--workload", str(wl),
+                       "--fidelity-steps", "0", "--json"], env, tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        ids.append(json.loads(out.stdout)["job_id"])
+    t0 = time.monotonic()
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
+         "--address", "local", "--gpus", "cpu:2", "--exit-when-idle", "--no-mlflow",
+         "--poll", "0.2", "--heartbeat", "0.5"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(pool.stdout or ()), daemon=True)
+    reader.start()
+    victim = None
+    with Store(db) as store:
+        deadline = time.monotonic() + 300
+        while victim is None and time.monotonic() < deadline:
+            pids = dict(re.findall(r"\[(ray:\S+)\] Ray actor pid (\d+)", "".join(lines)))
+            running = [j for j in store.list_jobs(("RUNNING",)) if j["progress"]]
+            if running and pids:
+                victim = running[0]
+                os.kill(int(pids[victim["worker_id"].split(":", 2)[2]]), signal.SIGKILL)
+            time.sleep(0.1)
+        assert victim is not None, "no job started within 300 s: " + "".join(lines)
+        pool.wait(timeout=900)
+        wall = time.monotonic() - t0
+        reader.join(timeout=10)
+        output = "".join(lines)
+        assert pool.returncode == 0, output
+        jobs = {j["id"]: j for j in store.list_jobs()}
+        runs = store.list_runs(limit=100)
+    assert {jobs[i]["state"] for i in ids} == {"DONE"}, output
+    killed = jobs[victim["id"]]
+    assert killed["attempts"] == 2 and "died mid-job" in json.dumps(killed["history"]), output
+    finished = Counter(r["job_id"].split("-r")[0] for r in runs if r["status"] == "FINISHED")
+    assert finished == Counter(ids)  # each job stored once
+    interrupted = [r["job_id"] for r in runs if r["status"] == "INTERRUPTED"]
+    assert interrupted == [victim["id"]]
+    assert "goes back to the queue" in output
+    spans = sorted((j["claimed_at"], j["finished_at"]) for j in jobs.values())
+    busy = sum((end - start).total_seconds() for start, end in spans)
+    print(f"six jobs on a Ray cluster of two CPU slots: wall {wall:.1f} s, jobs {busy:.1f} s")
