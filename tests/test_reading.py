@@ -241,3 +241,62 @@ def test_frontier_defaults_to_the_workload_the_database_last_ran(
     )
     assert out.exit_code == 0, out.output
     assert "experiments · long" in out.stdout, out.stdout
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """A rich table's body as {first cell: its cells}, each cell's wrapped lines joined."""
+    rows: dict[str, list[list[str]]] = {}
+    current: list[list[str]] = []
+    for line in text.splitlines():
+        if not line.startswith("│"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if cells[0]:  # a row starts; a blank first cell continues the one above
+            current = rows[cells[0]] = [[c] for c in cells]
+        else:
+            for part, cell in zip(current, cells, strict=True):
+                part.append(cell)
+    return {
+        name: [" ".join(w for w in part if w) for part in parts] for name, parts in rows.items()
+    }
+
+
+def test_stacks_show_family_and_validity_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrate.api.config import EXPERIMENTS_DIR
+
+    user = tmp_path / "experiments"  # a user's ./experiments, listed beside the shipped ones
+    user.mkdir()
+    (user / "my-broken.yaml").write_text(
+        "name: my-broken\nfamily: omnivoice\ntechniques:\n  - name: no_such_technique\n"
+    )
+    (user / "my-unparsable.yaml").write_text("name: [unclosed\n")
+    monkeypatch.chdir(tmp_path)
+    known = {
+        name: family
+        for name, family in (("exp74-full", "rumik"), ("ov-recipe", "omnivoice"))
+        if (EXPERIMENTS_DIR / f"{name}.yaml").is_file()
+    }
+
+    out = invoke(["stacks", "--json"])
+    assert out.exit_code == 0, out.output
+    by_name = {r["name"]: r for r in json.loads(out.stdout)}
+    for name, family in known.items():
+        assert by_name[name]["family"] == family and by_name[name]["valid"] is True
+    broken = by_name["my-broken"]
+    assert broken["valid"] is False and broken["family"] == "omnivoice"
+    assert "unknown technique 'no_such_technique'" in broken["error"], broken
+    unparsable = by_name["my-unparsable"]
+    assert unparsable["valid"] is False and "not valid YAML" in unparsable["error"], unparsable
+
+    out = invoke(["stacks"])
+    assert out.exit_code == 0, out.output
+    header = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
+    columns = [c.strip() for c in header.strip().strip("┃").split("┃")]
+    rows = {name: dict(zip(columns, cells, strict=True)) for name, cells in
+            table_rows(out.stdout).items()}  # fmt: skip
+    for name, family in known.items():
+        assert rows[name]["family"] == family and rows[name]["valid"] == "yes", rows[name]
+    assert rows["my-broken"]["family"] == "omnivoice", rows["my-broken"]
+    assert rows["my-broken"]["valid"] == f"no: {broken['error']}"  # the reason whole, not cut

@@ -276,7 +276,7 @@ class StackSpec(Strict):
 MAX_FILE_BYTES = 1 << 20  # no config is near 1 MiB; a larger file is not one
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not a config file")
@@ -294,7 +294,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def load_model(cls: type[Strict], path: Path) -> Any:
     try:
-        return cls.model_validate(_read_yaml(path))
+        return cls.model_validate(read_yaml(path))
     except ValidationError as exc:
         raise ConfigError(f"{path}: {explain(exc)}") from exc
 

@@ -6,12 +6,21 @@ Registered into the main app by cli/app.py (`plugins_cli.register(app)`).
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from orchestrate.api.config import EXPERIMENTS_DIR, ConfigError, load_model_spec, load_stack
+from orchestrate.api.config import (
+    EXPERIMENTS_DIR,
+    ConfigError,
+    StackSpec,
+    load_model_spec,
+    load_stack,
+    read_yaml,
+    search_path,
+)
 from orchestrate.api.registry import StackError, build_stack, catalogue, get_family
 from orchestrate.api.technique import Refused
 from orchestrate.cli.common import JsonOpt, console, fail, print_json
@@ -101,40 +110,74 @@ def _broken_row(b: Any) -> dict[str, Any]:
 
 
 def stacks(as_json: JsonOpt = False) -> None:
-    """List the stacks in experiments/ and whether each validates."""
-    rows = []
-    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
-        try:
-            spec = load_stack(str(path))
-            built = build_stack(spec)
-            rows.append(
-                {
-                    "name": spec.name,
-                    "family": spec.family,
-                    "exact": built.exact,
-                    "techniques": [t.name for t in spec.techniques],
-                    "valid": True,
-                    "description": spec.description,
-                }
-            )
-        except (ConfigError, StackError) as exc:
-            rows.append({"name": path.stem, "valid": False, "error": str(exc)})
+    """List the stacks in ./experiments and the shipped experiments/: each one's family and
+    whether it validates (and why not)."""
+    rows = [_stack_row(path) for path in _stack_files()]
     if as_json:
         return print_json(rows)
     table = Table(title="stacks (experiments/)")
-    for col in ("name", "techniques", "exact", "description"):
-        table.add_column(col)
+    for col in ("name", "family", "valid", "techniques", "exact", "description"):
+        # fold: a reason is read whole, never cut at the column's edge
+        table.add_column(col, overflow="fold")
     for r in rows:
         if r["valid"]:
             table.add_row(
                 r["name"],
+                r["family"],
+                "yes",
                 " -> ".join(r["techniques"]) or "(stock)",
                 "yes" if r["exact"] else "APPROX",
                 r["description"],
             )
         else:
-            table.add_row(r["name"], f"[red]invalid: {r['error']}[/red]", "", "")
+            table.add_row(r["name"], r["family"] or "?", f"[red]no: {r['error']}[/red]", "", "", "")
     console.print(table)
+
+
+def _stack_files() -> list[Path]:
+    """Every stack file a name can resolve to, in lookup order (the working directory's
+    ./experiments first): a user's file shadows a shipped one of the same name, as in
+    `load_stack`, so the shipped one is not listed."""
+    files: dict[str, Path] = {}
+    for folder in search_path(EXPERIMENTS_DIR):
+        for path in sorted(folder.glob("*.yaml")):
+            files.setdefault(path.stem, path)
+    return sorted(files.values(), key=lambda p: p.stem)
+
+
+def _stack_row(path: Path) -> dict[str, Any]:
+    """One stack file as a row: name, family, valid, and the techniques or the reason."""
+    try:
+        spec = load_stack(str(path))
+        built = build_stack(spec)
+    except (ConfigError, StackError) as exc:
+        return {
+            "name": path.stem,
+            "family": _declared_family(path),
+            "valid": False,
+            "error": str(exc),
+            "path": str(path),
+        }
+    return {
+        "name": spec.name,
+        "family": spec.family,
+        "exact": built.exact,
+        "techniques": [t.name for t in spec.techniques],
+        "valid": True,
+        "description": spec.description,
+        "path": str(path),
+    }
+
+
+def _declared_family(path: Path) -> str | None:
+    """The family an invalid stack file names (StackSpec's default when it names none), or
+    None when the file is not a readable mapping or its family is not a string."""
+    try:
+        data = read_yaml(path)
+    except ConfigError:
+        return None
+    family = data.get("family", StackSpec.model_fields["family"].default)
+    return family if isinstance(family, str) else None
 
 
 def explain(
