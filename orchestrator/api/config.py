@@ -277,6 +277,8 @@ MAX_FILE_BYTES = 1 << 20  # no config is near 1 MiB; a larger file is not one
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
+    """A config file's top-level mapping, or ConfigError saying in one line why it is not one
+    (too large, not UTF-8, unreadable, not YAML, not a mapping)."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not a config file")
