@@ -230,3 +230,12 @@ def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path
     spans = sorted((j["claimed_at"], j["finished_at"]) for j in jobs.values())
     busy = sum((end - start).total_seconds() for start, end in spans)
     print(f"six jobs on a Ray cluster of two CPU slots: wall {wall:.1f} s, jobs {busy:.1f} s")
+
+
+def test_the_ray_backend_lists_the_clusters_nodes(tmp_path: Path) -> None:
+    """No --gpus: the cluster's nodes with their GPUs and CPU slots (a local cluster here)."""
+    env = os.environ | {"ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'o.db'}"}
+    out = run_cli(["workers", "--backend", "ray", "--address", "local", "--json"], env, tmp_path)
+    assert out.returncode == 0, out.stderr
+    (node,) = json.loads(out.stdout)
+    assert node["gpus"] == 0 and node["cpu_slots"] == 0 and node["workers"] == []

@@ -194,7 +194,7 @@ def workers(
     """Start a pool of workers (--gpus), or list the live ones (no --gpus; with --backend
     ray, the cluster's GPUs and which jobs run where)."""
     from orchestrate.running.pool import Cadence
-    from orchestrate.store.queue import PoolRefused
+    from orchestrate.store.errors import StoreError  # PoolRefused, a database gone away
 
     store = open_store(db)
     say = lambda line: console.print(escape(line), highlight=False)  # noqa: E731
@@ -209,7 +209,7 @@ def workers(
                 store, address, gpus, runs_dir.resolve(), track=mlflow,
                 exit_when_idle=exit_when_idle, cadence=cadence, say=say,
             )  # fmt: skip
-        except (ray_pool.RayUnavailable, PoolRefused) as exc:
+        except (ray_pool.RayUnavailable, StoreError) as exc:
             fail(str(exc))
         raise typer.Exit(rc)
     if gpus is None:
@@ -225,7 +225,7 @@ def workers(
             store, store.url, slots, runs_dir.resolve(), track=mlflow,
             exit_when_idle=exit_when_idle, cadence=cadence, say=say,
         )  # fmt: skip
-    except PoolRefused as exc:
+    except StoreError as exc:
         fail(str(exc))
     raise typer.Exit(rc)
 

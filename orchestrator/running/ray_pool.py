@@ -49,6 +49,7 @@ from orchestrate.api.scheduling import Capabilities
 from orchestrate.running.pool import MAX_RESTARTS, Cadence, Member, Say, serve
 from orchestrate.running.runner import Interrupted, WorkerLost
 from orchestrate.running.warm import WarmWorker
+from orchestrate.store.errors import StoreError
 
 CPU_SLOT = "orchestrate_cpu_slot"  # a cluster's CPU slots: ray start --resources '{...: N}'
 TEXT_SUFFIXES = (".json", ".jsonl", ".log", ".txt")  # files whose paths are rewritten
@@ -356,7 +357,8 @@ def start_ray_pool(
                 ray.kill(actor, no_restart=True)
         return rc
     finally:
-        store.unregister_worker(lock_id)
+        with contextlib.suppress(StoreError):  # the database went away: said by the caller
+            store.unregister_worker(lock_id)
         if address == "local":
             ray.shutdown()
 
@@ -466,6 +468,9 @@ def _run(
         say("stopping the pool: running jobs go back to the queue")
         stopping.set()
         return 130
+    except BaseException:  # the database went away: the members stop after their job
+        stopping.set()
+        raise
     failures = [r for r in results.values() if isinstance(r, BaseException)]
     if failures:
         say(f"the pool stopped: {_first_line(failures[0])}")
