@@ -90,7 +90,7 @@ class RumikFamily(Family):
         self, engine: Engine, text: str, seed: int, workload: Workload
     ) -> dict[str, float] | None:
         """Kernels and host launch calls per decode step of this engine's token loop (GPU
-        only; None on a CPU). See orchestrator/launches.py."""
+        only; None on a CPU), counted by orchestrator/api/device.py (`per_step`)."""
         from orchestrate.api.device import per_step
 
         model = engine.model

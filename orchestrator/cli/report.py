@@ -13,7 +13,11 @@ from orchestrate.cli.common import DbOpt, console, open_store
 def report(
     exploration: Annotated[str, typer.Argument(help="Exploration id or a unique prefix.")],
     out: Annotated[
-        Path | None, typer.Option(help="Where to write the page (default reports/ID.html).")
+        Path | None,
+        typer.Option(
+            help="Where to write the page (default: reports/exploration-ID.html in the "
+            "working folder, ID the exploration id's first 12 characters)."
+        ),
     ] = None,
     figures: Annotated[
         Path | None,

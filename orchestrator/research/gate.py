@@ -1,7 +1,7 @@
 """The phase gate: fresh remeasure on dev prompts, then (only if faster beyond noise) the
 sealed holdout, scoring, and accept (new champion) or retain, with the evidence.
 
-`run_gate` is the one sanctioned reader of holdout prompts (see orchestrator/holdout.py).
+`run_gate` is the one sanctioned reader of holdout prompts (see orchestrator/research/holdout.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ How the seal works:
   fails at load instead of quietly tuning on holdout prompts.
 - `load_holdout` needs a live `HoldoutKey`. Keys come only from `with unseal("gate")`, and
   `unseal` checks who asks: the calling function must be one of SANCTIONED_READERS (the
-  phase gate in orchestrator/gate.py). Any other caller - a tuning script, a
+  phase gate in orchestrator/research/gate.py). Any other caller - a tuning script, a
   notebook, a report - gets HoldoutSealed. A key dies when its `with` block ends.
 - Every opening writes a holdout_audit row (stack, spec hash, lineage, time), closed later
   with the verdict. A stack whose spec, name or technique lineage already saw this holdout
