@@ -89,12 +89,13 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load chunk i+1 before the FMAs of chunk i
     magic: bool = False  # int8 -> fp32 by float-bit arithmetic instead of I2F
-    # Session 11 candidates, timed in session 12 (h200/issue14-s12-gemv-sweep-pdl.json; with
-    # PDL, 25088 x 2048: 17.24 us plain, 16.34 reduce_each, 16.13 both; not yet in a step):
+    # Two changes to the pointer kernel's schedule; with PDL at 25088 x 2048: 17.24 us plain,
+    # 16.34 reduce_each, 16.13 both (benchmarks/h200/issue14-s12-gemv-sweep-pdl.json; not
+    # yet timed inside a decode step):
     preload: bool = False  # the first weight chunk in flight before the PDL wait
     reduce_each: bool = False  # a [BLOCK_N] accumulator: each chunk reduced at once, so the
     # registers of a [BLOCK_N, BLOCK_K] fp32 tile are free for wider chunks / more programs
-    # Session 18: weight tiles by the TMA, num_stages - 1 in flight (int8_gemv_tma.py; M=1)
+    # weight tiles loaded by the TMA, num_stages - 1 in flight (int8_gemv_tma.py; M=1 only)
     tma: bool = False
 
     def __post_init__(self) -> None:
@@ -151,15 +152,15 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 # decode step says which table ships.
 GEMV_TABLES: dict[str, dict[tuple[int, int], GemvConfig]] = {
     "shipped": {},
-    # h200/issue14-s12-gemv-sweep-pdl.json (2026-12-02, with PDL, copy ceiling 4.17 TB/s):
-    # 16.34 us against the shipped 17.24 (reduce_each); the output shape's winner is the
-    # shipped one (reduce_each costs it 10.50 -> 12.66 us)
+    # benchmarks/h200/issue14-s12-gemv-sweep-pdl.json (2026-12-02, with PDL, copy ceiling
+    # 4.17 TB/s): 16.34 us against the shipped 17.24 (reduce_each); the output shape's winner
+    # is the shipped one (reduce_each costs it 10.50 -> 12.66 us)
     "s12": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
 }
 
-# Session 18: candidates for the TMA kernel at Rumik's two decode shapes, checked by the GPU
-# and compile tests and timed by `benchmarks/gemv_sweep.py --tma`
-# (h200/issue14-s18-gemv-sweep-tma.json: every one slower than the pointer kernel; in no table).
+# Candidates for the TMA kernel at Rumik's two decode shapes, checked by the GPU and compile
+# tests and timed by `benchmarks/gemv_sweep.py --tma`: every one slower than the pointer
+# kernel (benchmarks/h200/issue14-s18-gemv-sweep-tma.json), so none is in a table.
 TMA_CONFIGS: dict[tuple[int, int], tuple[GemvConfig, ...]] = {
     (25088, 2048): tuple(
         GemvConfig(bn, bk, 8 if bn * bk >= 8192 else 4, num_stages=st, magic=True, tma=True)

@@ -2,11 +2,12 @@
 
 Same contract and result as int8_gemv's M=1 kernel (`GemvConfig(tma=True)` selects this one;
 int8_linear dispatches). Why a second kernel: the pointer kernel keeps a weight chunk in
-flight per program in registers (one, or two with `prefetch`), and four sweeps (sessions 3,
-7, 12, 13) left it at 58-72% of the H200's copy bandwidth. Here each [BLOCK_N, BLOCK_K] tile
-is one bulk copy into shared memory issued by the TMA, and Triton's pipeliner keeps
-`num_stages - 1` tiles in flight ahead of the FMAs, so the bytes in flight per program grow
-with the stages instead of the registers.
+flight per program in registers (one, or two with `prefetch`), and the best configs of its
+sweeps reach 58-72% of the H200's copy bandwidth (benchmarks/h200/kernels.json,
+issue14-s7-gemv-sweep.json, issue14-s7-gemv-sweep2.json, issue14-s12-gemv-sweep-pdl.json).
+Here each [BLOCK_N, BLOCK_K] tile is one bulk copy into shared memory issued by the TMA, and
+Triton's pipeliner keeps `num_stages - 1` tiles in flight ahead of the FMAs, so the bytes in
+flight per program grow with the stages instead of the registers.
 
 - The descriptor zero-fills tiles past N and K, so no masks on the weights: a partial last
   chunk (13056 = 51 x 256) reads zeros, and x is masked to zero past the split's end, so a
