@@ -12,7 +12,8 @@ python3 -c "import orchestrate.api.registry as r; print('techniques:', sorted(r.
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv,noheader
 # FlashInfer: 0.7.4's wheel (101 MB) is over a call's 64 MiB; flashinfer-python 0.6.18.post1
 # fits, with apache-tvm-ffi, einops, tabulate, nvidia-ml-py, nvidia-cudnn-frontend, cuda-tile
-# and nccl4py (session 18: its GPU tests passed with these in .whl/).
+# and nccl4py (its GPU tests pass with these in .whl/:
+# benchmarks/h200/issue14-s18-gpu-tests-final.log).
 # FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
 # carried from an earlier host (tar keeps its mtimes): a rebuild per call (~105 s cold in one

@@ -6,10 +6,11 @@ For (25088 x 2048) (q,k,v,gate,up packed) and (2048 x 13056) (o+down packed): ev
 of int8_gemv.GEMV_CONFIGS plus the wider candidates below, each timed by tune_int8_linear
 (CUDA-graph replay over weight copies that exceed the L2 four times), against the shipped
 H200 winner, with achieved bandwidth and its fraction of the copy ceiling the environment
-measures (the session-7 records used a 1 GiB copy of this script's own: 4.23-4.24 TB/s).
-A profile for choosing H200_CONFIGS, not a headline: the step's time is `orchestrate run`'s.
-`--tma` times only the shipped config, the s12 table's and the TMA kernel's candidates
-(session 18); `--repeats N` sweeps N times and reports each config's median.
+measures (benchmarks/h200/issue14-s7-gemv-sweep.json and issue14-s7-gemv-sweep2.json used
+a 1 GiB copy of this script's own: 4.23-4.24 TB/s). A profile for choosing H200_CONFIGS, not
+a headline: the step's time is `orchestrate run`'s. `--tma` times only the shipped config,
+the s12 table's and the TMA kernel's candidates; `--repeats N` sweeps N times and reports
+each config's median.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 512, 4, split_k=2, prefetch=True, magic=True),
     C(16, 1024, 8, prefetch=True, magic=True),
     C(8, 2048, 8, magic=True),
-    # session 7, second sweep: around the first sweep's winners
+    # around the first sweep's winners (benchmarks/h200/issue14-s7-gemv-sweep2.json)
     C(16, 512, 8, prefetch=True, magic=True),
     C(32, 512, 8, magic=True),
     C(16, 1024, 8, magic=True),
@@ -53,8 +54,9 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 2048, 16, magic=True),
     C(4, 2048, 4, magic=True),
     C(8, 2048, 8, split_k=2, magic=True),
-    # session 11, not yet timed: the first chunk before the PDL wait (preload), and a [BLOCK_N]
-    # accumulator (reduce_each) that frees registers for wider chunks and more programs
+    # the first chunk before the PDL wait (preload), and a [BLOCK_N] accumulator (reduce_each)
+    # that frees registers for wider chunks and more programs (timed with PDL:
+    # benchmarks/h200/issue14-s12-gemv-sweep-pdl.json)
     C(16, 512, 8, magic=True, preload=True),
     C(16, 512, 8, magic=True, reduce_each=True),
     C(16, 512, 8, magic=True, preload=True, reduce_each=True),

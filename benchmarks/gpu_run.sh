@@ -13,7 +13,7 @@ id=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['id'])" "$O
 [ -n "$id" ] && python3 -m orchestrate.cli show "$id" --db "$db"
 tail -3 "$OUT/$name"/*/worker.log 2>/dev/null
 # A device call returns a limited number of files: with many stacks the per-utterance WAVs
-# crowded out result.json once (session 3), so the evidence is copied up to $OUT and the
+# have crowded out result.json, so the evidence is copied up to $OUT and the
 # WAVs (one level too deep to come back anyway) are dropped.
 for f in result.json events.jsonl worker.log; do
     cp "$OUT/$name"/*/"$f" "$OUT/$name.${f%%.*}.${f##*.}" 2>/dev/null

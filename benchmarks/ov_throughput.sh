@@ -5,7 +5,7 @@
 # them. FlashInfer JIT-compiles its kernel (~105 s cold once on the H200, console output of
 # benchmarks/flashinfer_smoke.py): carry the cache as
 # fi-cache.tgz in the tree's root to skip that; the new cache is written back to $OUT.
-# Not yet run as one script: session 3's attempt (12 stacks, two prompts) ran out of time.
+# Not yet run as one script: with 12 stacks and two prompts it ran past a device call's time.
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi
 [ -f fi-cache.tgz ] && tar xzf fi-cache.tgz -C /tmp
 timeout 540 bash benchmarks/gpu_run.sh tput --baseline ov-recipe --stack ov-recipe-b2 \

@@ -6,8 +6,8 @@
 Builds the model (seeded random weights), synthesizes two prompts x two seeds with stock at
 a fixed length and prints what the worker's same-audio guard finds (running/guards.py),
 with each pair's correlation; --out saves them as JSON with the environment (GPU, versions,
-git SHA). Before session 17 every pair was one waveform (the codec's
-codebooks were zeros); a check, not a benchmark.
+git SHA). Before the codecs' codebooks were seeded (api.family.seed_codebooks) every pair was
+one waveform: transformers builds them as zero buffers. A check, not a benchmark.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Compile Triton launches for the H200 (sm_90) on a machine without a GPU.
 
 The CPU tests run the kernels in Triton's interpreter, which executes their Python; the
-compiler also types and lowers them, and refuses code the interpreter accepts. Session 12 lost
-a device call to that: `_fma` returned inside a constexpr-if, the interpreter took one branch,
-the compiler built both, and every reduce_each config failed on the H200 after passing every
-CPU test. Triton's wheel ships ptxas, so lowering to a cubin runs here.
+compiler also types and lowers them, and refuses code the interpreter accepts: an `_fma`
+that returned inside a constexpr-if passed every CPU test (the interpreter took one branch)
+and failed every reduce_each config on the H200 (the compiler builds both). Triton's wheel
+ships ptxas, so lowering to a cubin runs here.
 
 test_kernels.py records each interpreted launch (`describe`) and hands the list to this file's
 main, run in a fresh process (the interpreter is chosen when a kernel is decorated):

@@ -1244,9 +1244,9 @@ def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Pat
     At 192 frames and four candidates a job the holdout read 1.27x on one CI-like run (1.6x on
     others): this VM's per-utterance times swing by 20-30% between jobs. Longer clips and
     smaller jobs gave 1.53x [1.36, 1.65] and 1.66x [1.52, 1.76] in 4.2-4.6 minutes. A CI
-    machine once read the fresh job at 1.196x and accepted nothing (session 15): timing on a
-    shared VM is a sample, so a second exploration, in a folder of its own, gets one more
-    chance; the test fails only when both accept nothing at >= 1.3x, naming every reason."""
+    machine once read the fresh job at 1.196x and accepted nothing: timing on a shared VM is
+    a sample, so a second exploration, in a folder of its own, gets one more chance; the test
+    fails only when both accept nothing at >= 1.3x, naming every reason."""
     tries = []
     for attempt in range(2):
         folder = tmp_path / f"try{attempt}"

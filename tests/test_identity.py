@@ -132,7 +132,8 @@ def test_code_sha_from_the_environment_leaves_the_diff_unknown(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["6bf064e", "FEED" * 10, "feed" * 10 + "\n", "HEAD"])
 def test_a_short_or_malformed_code_sha_is_refused(monkeypatch, bad):
-    """A short SHA got into session 12's records; a resume must present the same string."""
+    """A short SHA got into committed records (benchmarks/h200/issue14-en20.result.json has
+    code_sha 6bf064e): a resume must present the same string, so only a full SHA is taken."""
     monkeypatch.setenv("ORCHESTRATE_CODE_SHA", bad)
     with pytest.raises(ValueError, match="full 40-character commit SHA"):
         code_state()
