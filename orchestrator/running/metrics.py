@@ -45,8 +45,9 @@ AGGREGATE_LABEL = "RTF ratio (aggregate)"
 # would change every protocol's content hash, and stored protocols refuse that.
 MAX_PAIRED_SPREAD = 1.5
 MIN_PAIRS = 2
-# A resumed run's segments may run on other hosts (each device call of session 14's en20
-# did): a host-bound stack (stock's Python token loop) ran 15.7 ms/token on a host whose
+# A resumed run's segments may run on other hosts (each device call of the en20 run did,
+# benchmarks/h200/issue14-en20.result.json): a host-bound stack (stock's Python token
+# loop) ran 15.7 ms/token on a host whose
 # single-thread loop took 13.1 ms and 25-27 ms/token on slower ones, where exp74-full did
 # not move. One host measures its loop within a few percent from run to run.
 MAX_HOST_SPREAD = 1.25
