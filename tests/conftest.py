@@ -11,7 +11,9 @@ from factories import MakeResult, fabricate_result
 
 from orchestrate.api.config import ModelSpec
 
-pytest_plugins = ["omnivoice_fixtures"]  # family, model, engine_for of the OmniVoice tests
+# OmniVoice: family, model, engine_for; pg_server: a PostgreSQL server and `db_url`, the
+# store tests' parameter (SQLite and PostgreSQL).
+pytest_plugins = ["omnivoice_fixtures", "pg_server"]
 
 # CI sets it: a missing or broken optional install fails instead of skipping.
 REQUIRE = os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1"
