@@ -111,8 +111,8 @@ def test_postgres_without_driver_names_the_package(env: dict[str, str], tmp_path
     url = "postgresql://me:secret@db.example/orchestrate"
     line = one_error(
         cli(["runs", "--db", url], env, tmp_path),
-        "needs the driver package psycopg",
-        "pip install psycopg",
+        "needs the driver package psycopg[binary] (module psycopg)",
+        "pip install 'psycopg[binary]'",
     )
     assert "secret" not in line  # passwords never reach a terminal or a CI log
 

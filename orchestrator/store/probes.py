@@ -22,7 +22,7 @@ from orchestrate.store.errors import StoreUnavailable
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Module a SQLAlchemy dialect imports -> the package that provides it (pip names).
 DRIVER_PACKAGES = {
-    "psycopg": "psycopg",
+    "psycopg": "psycopg[binary]",  # with its own libpq (plain psycopg needs the system's)
     "psycopg2": "psycopg2-binary",
     "MySQLdb": "mysqlclient",
     "pymysql": "PyMySQL",
@@ -189,9 +189,36 @@ def unavailable(exc: BaseException, target: Target) -> StoreUnavailable:
         return corrupted(target)
     if "readonly" in low or "read-only" in low:
         return StoreUnavailable(f"{target.label} is read-only ({text}); {target.fix}")
-    if "locked" in low:  # held past the busy timeout by another writer
+    if "locked" in low or "lock timeout" in low:  # held past the wait by another writer
         return StoreUnavailable(f"{target.label} is locked by another process ({text}); retry")
+    refused = _server_refusal(text, str(getattr(exc, "orig", None) or exc).lower(), target)
+    if refused is not None:
+        return refused
     return StoreUnavailable(f"cannot open {target.label}: {text}; {target.fix}")
+
+
+def _server_refusal(text: str, low: str, target: Target) -> StoreUnavailable | None:
+    """A server that refused the connection: a database server (PostgreSQL's words, as
+    psycopg passes them on, without their connection preamble) or an MLflow server that
+    nothing answers for (`low`: the whole error, lower-cased). None for anything else."""
+    said = " ".join(text.rsplit("failed: ", 1)[-1].removeprefix("FATAL:").split())
+    try:
+        url = make_url(target.url)
+    except ArgumentError:
+        return None
+    where = f"{url.host or 'localhost'}" + (f":{url.port}" if url.port else "")
+    if "password authentication failed" in low or ("role" in low and "does not exist" in low):
+        fix = "check the user and password in the URL"
+    elif "database" in low and "does not exist" in low:
+        given = (("-h", url.host), ("-p", url.port), ("-U", url.username))
+        createdb = " ".join(["createdb", *(f"{k} {v}" for k, v in given if v), str(url.database)])
+        fix = f"create it first ({createdb}) or name an existing one"
+    elif "connection refused" in low:
+        said = f"nothing listens at {where} (connection refused)"
+        fix = "start the server or correct the host and port"
+    else:
+        return None
+    return StoreUnavailable(f"cannot open {target.label}: {said}: {fix}; {target.fix}")
 
 
 def first_line(exc: object) -> str:
@@ -218,9 +245,10 @@ def _missing_driver(exc: ImportError, target: Target) -> StoreUnavailable:
     module = (exc.name or "").split(".")[0] or first_line(exc)
     package = DRIVER_PACKAGES.get(module, module)
     named = package if package == module else f"{package} (module {module})"
+    install = f"'{package}'" if "[" in package else package  # a shell would glob x[y]
     return StoreUnavailable(
         f"{target.label} needs the driver package {named}, which is not installed: "
-        f"pip install {package}, or name an installed driver (dialect+driver://); {target.fix}"
+        f"pip install {install}, or name an installed driver (dialect+driver://); {target.fix}"
     )
 
 
