@@ -52,9 +52,10 @@ TINY = Workload(
 
 
 @pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def store(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh store: a SQLite file, then a PostgreSQL database (tests/pg_server.py)."""
     monkeypatch.setenv("ORCHESTRATE_CODE_SHA", "5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e")
-    with Store(f"sqlite:///{tmp_path / 'o.db'}") as s:
+    with Store(db_url) as s:
         yield s
 
 

@@ -34,11 +34,14 @@ from orchestrate.store.store import (
 MakeResult = Callable[..., ResultRecord]
 COMPARISONS = {"fast": {"speedup_vs_baseline": 2.0000001, "rtf_ratio": 0.5}}
 TABLES = ("stacks", "stack_results", "utterances", "metrics")
+# A CHECK refusing a row, as SQLite and PostgreSQL word it.
+CHECK_FAILED = "CHECK constraint failed|violates check constraint"
 
 
 @pytest.fixture
-def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'runs.db'}"
+def url(db_url: str) -> str:
+    """A fresh database: a SQLite file, then a PostgreSQL one (tests/pg_server.py)."""
+    return db_url
 
 
 @pytest.fixture
@@ -83,7 +86,7 @@ def test_an_0004_database_upgrades_keeping_its_candidates_and_takes_superseded(
             "proposer, change, proposal_reason, created_at, steps_json, run_ids_json) "
             "VALUES ('e1', 1, 'decided', 'gate', 'ladder', '+x', '', '2026-12-01', '[]', '[]')"
         )
-        with pytest.raises(Exception, match="CHECK constraint failed"):
+        with pytest.raises(Exception, match=CHECK_FAILED), conn.begin_nested():
             conn.exec_driver_sql(
                 "UPDATE exploration_candidates SET decision = 'superseded' WHERE seq = 1"
             )
@@ -93,21 +96,25 @@ def test_an_0004_database_upgrades_keeping_its_candidates_and_takes_superseded(
     with db.writer(engine).begin() as conn:
         conn.exec_driver_sql("UPDATE exploration_candidates SET decision = 'superseded'")
         rows = conn.exec_driver_sql("SELECT seq, decision FROM exploration_candidates").all()
-        with pytest.raises(Exception, match="CHECK constraint failed"):
+        with pytest.raises(Exception, match=CHECK_FAILED), conn.begin_nested():
             conn.exec_driver_sql("UPDATE exploration_candidates SET decision = 'maybe'")
     engine.dispose()
     assert [tuple(r) for r in rows] == [(1, "superseded")]
 
 
-def test_migration_matches_models_and_sqlite_is_tuned(url: str) -> None:
+def test_migration_matches_models_and_the_database_is_tuned(url: str) -> None:
     db.migrate(url)
     engine = db.make_engine(url)
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == [], f"db/models.py and the migrations differ: {diff}"
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
-        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
-        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        if engine.dialect.name == "sqlite":
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        else:  # db.writer's lock relies on each statement seeing what committed before it
+            isolation = conn.exec_driver_sql("SHOW transaction_isolation").scalar()
+            assert isolation == "read committed"
         version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     assert version == db.head_revision() == "0007"
     assert set(inspect(engine).get_table_names()) >= {
@@ -565,6 +572,57 @@ def test_parallel_writers_do_not_hit_locked_database(url: str) -> None:
     with Store(url) as store:
         assert store.count("runs") == 20 and store.count("stacks") == 2
         assert {r["status"] for r in store.list_runs(limit=50)} == {"FINISHED"}
+
+
+def test_writers_take_turns_so_a_run_is_resumed_once(
+    url: str, store: Store, make_result_record: MakeResult
+) -> None:
+    """Two `run --resume` of one run, the second while the first is between its check and
+    its write: the second waits for the first's transaction, then is refused. SQLite's
+    write lock gives that; on PostgreSQL db.writer's advisory lock does (without it both
+    checks pass and the run has two resumers)."""
+    import threading
+
+    from orchestrate.store.errors import ResumeClaimed
+    from orchestrate.store.runs import _refuse_claimed
+
+    job = make_result_record().job
+    old = store.begin_run(job, "id")
+    store.fail_run(old, "INTERRUPTED", "killed")
+    first, second = (
+        job.model_copy(update={"job_id": f"{job.job_id}-r{n}", "resumed_from": old}) for n in (2, 3)
+    )
+    outcome: list[BaseException | str] = []
+
+    def resume_second(other: Store) -> None:
+        try:
+            outcome.append(other.begin_run(second, "id"))
+        except StoreError as exc:
+            outcome.append(exc)
+
+    with Store(url) as other:
+        with store._write() as s:  # the first resume, checked and not yet written
+            _refuse_claimed(s, old)
+            thread = threading.Thread(target=resume_second, args=(other,))
+            thread.start()
+            thread.join(timeout=0.5)
+            assert thread.is_alive(), f"the second writer did not wait: {outcome}"
+            s.add(store._new_run(first, "id", status="RUNNING", pid=os.getpid()))
+        thread.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], ResumeClaimed), outcome
+    assert len(store.resumed_by(old)) == 1
+
+
+def test_a_writer_stuck_behind_another_gives_up_in_one_line(
+    url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's busy timeout and PostgreSQL's lock_timeout on db.writer's lock: the same
+    wait, then the same line (not a hang, not a traceback)."""
+    monkeypatch.setattr(db, "WRITE_LOCK_WAIT_S", 0.3)
+    with Store(url) as other, store._write() as s:
+        s.connection()  # begins the transaction: takes the write lock
+        with pytest.raises(StoreError, match="is locked by another process .*; retry$"):
+            other.unregister_worker("nobody")
 
 
 def test_every_stack_is_also_compared_with_a_declared_second_baseline(make_result_record):
