@@ -57,6 +57,9 @@ for _knob, _value in (
     ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
 ):
     os.environ.setdefault(_knob, _value)
+# On a tracking server MLflow prints "View run ... at: URL" to stdout for every run it ends:
+# a command's output is its own (`run --json` must stay JSON); the run ids are recorded.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def log_file() -> Path:
