@@ -119,8 +119,10 @@ def _start(bindir: Path) -> PgServer:
     if os.getuid() == 0:
         for path in (root, root / "pw", root / "sock"):
             shutil.chown(path, "postgres", "postgres")
+    # --no-locale: a CI image's $LANG may name a locale it does not have (initdb fails).
     initdb = [str(bindir / "initdb"), "-D", str(root / "data"), "-U", USER, "-E", "UTF8",
-              "--auth=scram-sha-256", f"--pwfile={root / 'pw'}", "--no-sync"]  # fmt: skip
+              "--no-locale", "--auth=scram-sha-256", f"--pwfile={root / 'pw'}",
+              "--no-sync"]  # fmt: skip
     subprocess.run(_as_server_user(initdb), check=True, capture_output=True, timeout=120)
     for _ in range(3):  # a free port can be taken between asking and binding
         server = PgServer(free_port(), root, bindir)
