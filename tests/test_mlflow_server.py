@@ -14,7 +14,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pg_server import PgServer, free_port
@@ -30,33 +32,29 @@ save_audio: 1
 """
 
 
-@pytest.fixture
-def mlflow_server(pg_server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    """`mlflow server` on a free port of 127.0.0.1, its runs in a new PostgreSQL database and
-    its artifacts in a folder; yields (its URI, that database, the folder), stops it after."""
-    backend = pg_server.create_database()
+@contextmanager
+def mlflow_server(server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str, Path, Any]]:
+    """`mlflow server` started on a free port of 127.0.0.1, its runs in a new PostgreSQL
+    database and its artifacts in a folder: yields (its URI, that database, the folder, a
+    function waiting until it answers); killed on leaving (its data is thrown away)."""
+    backend = server.create_database()
     artifacts, port = tmp_path / "mlartifacts", free_port()
-    log = tmp_path / "mlflow-server.log"
+    uri, log = f"http://127.0.0.1:{port}", tmp_path / "mlflow-server.log"
     command = [
         str(Path(sys.executable).with_name("mlflow")), "server",
-        "--backend-store-uri", pg_server.url(backend),
+        "--backend-store-uri", server.url(backend),
         "--artifacts-destination", str(artifacts),
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
-    with log.open("w") as out:  # its own session: stopping it stops its workers too
-        server = subprocess.Popen(
+    with log.open("w") as out:  # its own session: killing it kills its workers too
+        proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True
         )
     try:
-        _wait_until_up(f"http://127.0.0.1:{port}", server, log)
-        yield f"http://127.0.0.1:{port}", backend, artifacts
+        yield uri, backend, artifacts, lambda: _wait_until_up(uri, proc, log)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=5)  # a test server: its data is thrown away
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_until_up(uri: str, server: subprocess.Popen, log: Path, limit_s: float = 120) -> None:
@@ -80,37 +78,40 @@ def _cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def test_a_run_logs_to_the_teams_mlflow_server(
-    mlflow_server: tuple[str, str, Path], pg_server: PgServer, tmp_path: Path
-) -> None:
+def test_a_run_logs_to_the_teams_mlflow_server(pg_server: PgServer, tmp_path: Path) -> None:
     """A tiny CPU run, its database and MLflow's both on the PostgreSQL server: the run, its
     metrics and its artifacts (result.json, a WAV) are on the MLflow server, the files in
-    its artifacts folder. Meanwhile a command pointed at a port nothing answers on is one
-    line naming the URI (exit 2)."""
-    from mlflow import MlflowClient
-
-    uri, backend, artifacts = mlflow_server
+    its artifacts folder. While the server starts, a command pointed at a port nothing
+    answers on is one line naming the URI (exit 2)."""
     (tmp_path / "wl.yaml").write_text(WORKLOAD)
     env = os.environ | {
-        "MLFLOW_TRACKING_URI": uri,
         "ORCHESTRATE_DB_URL": pg_server.url(pg_server.create_database()),
         "ORCHESTRATE_CODE_SHA": "7" * 40,
     }
-    nobody = f"http://127.0.0.1:{free_port()}"
-    silent = _cli(["sync-mlflow"], env | {"MLFLOW_TRACKING_URI": nobody}, tmp_path)
-    run = _cli(["run", "--stack", "stock", "--workload", "wl.yaml", "--fidelity-steps", "0",
-                "--json"], env, tmp_path)  # fmt: skip
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err
-    _, refused = silent.communicate(timeout=120)
-    assert silent.returncode == 2
-    assert refused.strip() == (
-        f"error: cannot open MLflow store {nobody}: nothing listens at {nobody[7:]} "
-        "(connection refused): start the server or correct the host and port; set "
-        "MLFLOW_TRACKING_URI or pass --no-mlflow"
-    )
+    with mlflow_server(pg_server, tmp_path) as (uri, backend, artifacts, wait_until_up):
+        nobody = f"http://127.0.0.1:{free_port()}"
+        silent = _cli(["sync-mlflow"], env | {"MLFLOW_TRACKING_URI": nobody}, tmp_path)
+        _, refused = silent.communicate(timeout=120)
+        assert silent.returncode == 2
+        assert refused.strip() == (
+            f"error: cannot open MLflow store {nobody}: nothing listens at {nobody[7:]} "
+            "(connection refused): start the server or correct the host and port; set "
+            "MLFLOW_TRACKING_URI or pass --no-mlflow"
+        )
+        wait_until_up()
+        run = _cli(["run", "--stack", "stock", "--workload", "wl.yaml", "--fidelity-steps", "0",
+                    "--json"], env | {"MLFLOW_TRACKING_URI": uri}, tmp_path)  # fmt: skip
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err  # and stdout is the record alone (no "View run at")
+        check_logged(uri, json.loads(out), backend, artifacts, pg_server)
 
-    recorded = json.loads(out)  # stdout is the JSON alone (no "View run ... at" lines)
+
+def check_logged(
+    uri: str, recorded: dict[str, Any], backend: str, artifacts: Path, server: PgServer
+) -> None:
+    """The run (`run --json`'s record) as the MLflow server holds it."""
+    from mlflow import MlflowClient
+
     client = MlflowClient(tracking_uri=uri)
     parent = client.get_run(recorded["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["run_id"] == recorded["id"]
@@ -124,4 +125,4 @@ def test_a_run_logs_to_the_teams_mlflow_server(
     assert wav.path.endswith(".wav") and wav.file_size > 0
     # Stored by the server: the files in its folder, its runs in its PostgreSQL database.
     assert len(list(artifacts.rglob("result.json"))) == 1
-    assert {"experiments", "runs", "metrics"} <= set(pg_server.tables(backend))
+    assert {"experiments", "runs", "metrics"} <= set(server.tables(backend))
