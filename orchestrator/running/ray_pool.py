@@ -73,6 +73,12 @@ def connect(address: str, cpu_slots: int = 0) -> Any:
     """`ray`, initialised: `local` starts a cluster in this process (with `cpu_slots` CPU
     slots); `auto`, `HOST:PORT` or `ray://HOST:PORT` join a running one. One line
     (RayUnavailable) when ray is missing or the address does not answer."""
+    # Ray turns token authentication on for clusters it starts and, for `auto`, for the
+    # drivers joining them; a driver given HOST:PORT joins without its token unless told
+    # (read when ray is imported).
+    token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").exists()
+    if address != "local" and token and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         import ray
     except ImportError:
@@ -97,7 +103,8 @@ def connect(address: str, cpu_slots: int = 0) -> Any:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayUnavailable(
             f"cannot join the Ray cluster at {address}: {_first_line(exc)} (start one with "
-            "`ray start --head`, or pass --address local for a cluster in this process)"
+            "`ray start --head`; a cluster with token authentication needs its token in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token; --address local starts one in this process)"
         ) from exc
     return ray
 
