@@ -27,7 +27,7 @@ from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.protocol import load_protocol
 from orchestrate.api.records import JobSpec
 from orchestrate.api.scheduling import Capabilities
-from orchestrate.running import ray_pool
+from orchestrate.running import ray_actor, ray_pool
 from orchestrate.running.executor import Submission, run_claimed
 from orchestrate.running.plan import plan_job
 from orchestrate.running.runner import WorkerLost
@@ -70,14 +70,14 @@ def test_job_folders_travel_with_their_paths_rewritten_and_never_leave_their_fol
     (node / "stock").mkdir(parents=True)
     (node / "result.json").write_text(json.dumps({"output_dir": str(node), "n": 1}))
     (node / "stock" / "a_s1.wav").write_bytes(b"RIFF" + str(node).encode())  # binary: as is
-    files = ray_pool._pack(node, str(node), str(driver))
+    files = ray_actor.pack(node, str(node), str(driver))
     assert json.loads(files["result.json"])["output_dir"] == str(driver)
     assert files["stock/a_s1.wav"] == b"RIFF" + str(node).encode()
-    ray_pool._unpack(driver, files, "", "")
+    ray_actor.unpack(driver, files, "", "")
     assert json.loads((driver / "result.json").read_text())["output_dir"] == str(driver)
     assert (driver / "stock" / "a_s1.wav").exists()
     with pytest.raises(ValueError, match="outside"):
-        ray_pool._unpack(driver, {"../../escaped.txt": b"x"}, "", "")
+        ray_actor.unpack(driver, {"../../escaped.txt": b"x"}, "", "")
     assert not (tmp_path / "escaped.txt").exists()
 
 

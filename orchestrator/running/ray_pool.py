@@ -10,8 +10,8 @@ warm-up stay per job).
 The members themselves are threads in this process, the driver, which alone touches the
 store: it claims a job (store.queue), ships its job file to the actor, relays the actor's
 events, receives the job's folder back (result, journal, WAVs) and records it with its
-claim, exactly once by job id, as a local member does. A node needs orchestrate's worker
-side and Ray, no database and no MLflow.
+claim, exactly once by job id, as a local member does. A node never opens the store
+or MLflow (running.ray_actor says what it must have installed).
 
 Which job goes to which slot is decided by the same `why_not` as on one host, against what
 each actor probed on its own GPU (model, memory, compute capability, families): a job
@@ -30,29 +30,23 @@ line and exit 1; running jobs go back to the queue, none is marked done that was
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import queue
-import shutil
 import socket
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
 from orchestrate.api.scheduling import Capabilities
 from orchestrate.running.pool import MAX_RESTARTS, Cadence, Member, Say, serve
+from orchestrate.running.ray_actor import SlotWorker, pack, unpack
 from orchestrate.running.runner import Interrupted, WorkerLost
-from orchestrate.running.warm import WarmWorker
 from orchestrate.store.errors import StoreError
+from orchestrate.store.probes import first_line
 
 CPU_SLOT = "orchestrate_cpu_slot"  # a cluster's CPU slots: ray start --resources '{...: N}'
-TEXT_SUFFIXES = (".json", ".jsonl", ".log", ".txt")  # files whose paths are rewritten
 RESTART_WAIT_S = 120.0  # an actor not back from a restart within this is given up
 PROBE_TIMEOUT_S = 300.0  # an actor that cannot be placed or started within this is refused
 
@@ -102,7 +96,7 @@ def connect(address: str, cpu_slots: int = 0) -> Any:
         ray.init(address=address, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayUnavailable(
-            f"cannot join the Ray cluster at {address}: {_first_line(exc)} (start one with "
+            f"cannot join the Ray cluster at {address}: {first_line(exc)} (start one with "
             "`ray start --head`; a cluster with token authentication needs its token in "
             "RAY_AUTH_TOKEN or ~/.ray/auth_token; --address local starts one in this process)"
         ) from exc
@@ -199,95 +193,6 @@ def describe_cluster(ray: Any) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ on the node: actor
 
 
-class SlotWorker:
-    """The body of a slot's Ray actor: a warm worker subprocess on the actor's GPU (Ray sets
-    CUDA_VISIBLE_DEVICES to the one it holds) or CPU, in a scratch folder of the node.
-
-    Jobs run on one long-lived thread of the actor: a worker subprocess is started with
-    PR_SET_PDEATHSIG (runner.die_with_parent), which fires when the *thread* that started
-    it ends, so a thread per job would kill the warm worker after every job."""
-
-    def __init__(self, name: str) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="orchestrate-ray-"))
-        self.warm = WarmWorker(self.root, name=f"worker-{name.replace(':', '-')}")
-        self.jobs: queue.Queue[tuple[Path, queue.Queue[Any]]] = queue.Queue()
-        threading.Thread(target=self._serve_jobs, daemon=True, name="jobs").start()
-
-    def probe(self, device: Literal["cpu", "cuda"]) -> str:
-        group = entry_points(group="orchestrate.families")
-        families = tuple(sorted(ep.name for ep in group))
-        return Capabilities.probe(device, families).model_dump_json()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def measure(self, job_json: str, files: dict[str, bytes]) -> Iterator[dict[str, Any]]:
-        """Run one job: yield its events as they come, then {"rc", "files"}: every file of
-        its folder, the paths in text files pointing at the driver's folder again."""
-        job = json.loads(job_json)
-        there = job["output_dir"]
-        here = self.root / job["job_id"]
-        shutil.rmtree(here, ignore_errors=True)
-        job["output_dir"] = str(here)
-        here.mkdir(parents=True)
-        _unpack(here, files, there, str(here))
-        (here / "job.json").write_text(json.dumps(job))
-        events: queue.Queue[Any] = queue.Queue()
-        self.jobs.put((here, events))
-        while True:
-            item = events.get()
-            if isinstance(item, dict):
-                yield {"event": item}
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            out = _pack(here, str(here), there)
-            shutil.rmtree(here, ignore_errors=True)
-            yield {"rc": item, "files": out}
-            return
-
-    def _serve_jobs(self) -> None:
-        while True:
-            here, events = self.jobs.get()
-            try:
-                rc = self.warm(
-                    here / "job.json", here / "result.json", here / "worker.log", events.put
-                )
-                events.put(rc)
-            except BaseException as exc:  # raised to the driver by measure
-                events.put(exc)
-
-    def close(self) -> None:
-        self.warm.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _pack(folder: Path, old: str, new: str) -> dict[str, bytes]:
-    out = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            if path.suffix in TEXT_SUFFIXES:
-                data = data.replace(old.encode(), new.encode())
-            out[str(path.relative_to(folder))] = data
-    return out
-
-
-def _unpack(folder: Path, files: dict[str, bytes], old: str, new: str) -> None:
-    """Write `files` under `folder` (result.json last: its presence means the rest is
-    there), rewriting `old` to `new` in text files; a name leaving the folder is refused."""
-    root = folder.resolve()
-    for name in sorted(files, key=lambda n: n == "result.json"):
-        path = (folder / name).resolve()
-        if not path.is_relative_to(root):
-            raise ValueError(f"refusing to write {name!r} outside {folder}")
-        data = files[name]
-        if path.suffix in TEXT_SUFFIXES:
-            data = data.replace(old.encode(), new.encode())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-
-
 # -------------------------------------------------------------- on the driver: launch
 
 
@@ -300,7 +205,7 @@ class RayLaunch:
 
     def __call__(self, job_path: Path, result_path: Path, log_path: Path, on_event: Any) -> int:
         folder = job_path.parent
-        carried = _pack(folder, "", "")  # a resumed job's kept WAVs and journal
+        carried = pack(folder, "", "")  # a resumed job's kept WAVs and journal
         carried.pop("job.json", None)
         final: dict[str, Any] | None = None
         errors = self.ray.exceptions
@@ -315,17 +220,17 @@ class RayLaunch:
                 errors.NodeDiedError, errors.OutOfMemoryError) as exc:  # fmt: skip
             if self.stopping.is_set():
                 raise Interrupted(f"the pool is stopping ({self.slot})") from exc
-            raise WorkerLost(f"Ray actor {self.slot} died mid-job: {_first_line(exc)}") from exc
+            raise WorkerLost(f"Ray actor {self.slot} died mid-job: {first_line(exc)}") from exc
         except errors.RayTaskError as exc:  # the actor's code raised: the job failed there
             cause = getattr(exc, "cause", None) or exc
             raise RuntimeError(
-                f"on Ray actor {self.slot}: {type(cause).__name__}: {_first_line(cause)}"
+                f"on Ray actor {self.slot}: {type(cause).__name__}: {first_line(cause)}"
             ) from None
         except errors.RayError as exc:
-            raise ClusterLost(f"lost the Ray cluster: {_first_line(exc)}") from exc
+            raise ClusterLost(f"lost the Ray cluster: {first_line(exc)}") from exc
         if final is None:
             raise WorkerLost(f"Ray actor {self.slot} ended the job without its result")
-        _unpack(folder, final["files"], "", "")
+        unpack(folder, final["files"], "", "")
         return int(final["rc"])
 
 
@@ -357,7 +262,7 @@ def start_ray_pool(
     stopping = threading.Event()
     try:
         actors, members = _start_members(ray, slots, stopping, say)
-        rc = _run(store, members, runs_dir, pool_id, stopping, track=track,
+        rc = _run(store, members, runs_dir, pool_id, lock_id, stopping, track=track,
                   exit_when_idle=exit_when_idle, cadence=cadence or Cadence(), say=say)  # fmt: skip
         if rc == 130:  # their jobs go back to the queue (RayLaunch sees `stopping`)
             for actor in actors:
@@ -400,7 +305,7 @@ def _start_members(
         for a in actors:
             ray.kill(a)
         raise RayUnavailable(
-            f"the Ray cluster could not start the pool's actors: {_first_line(exc)}"
+            f"the Ray cluster could not start the pool's actors: {first_line(exc)}"
         ) from exc
     members = []
     for actor, slot, cap, pid in zip(actors, slots, caps, pids, strict=True):
@@ -444,6 +349,7 @@ def _run(
     members: list[Member],
     runs_dir: Path,
     pool_id: str,
+    lock_id: str,
     stopping: threading.Event,
     *,
     track: bool,
@@ -466,7 +372,6 @@ def _run(
     threads = [threading.Thread(target=member_main, args=(m,), name=m.slot) for m in members]
     for t in threads:
         t.start()
-    lock_id = f"{socket.gethostname()}:{os.getpid()}:pool"
     try:
         while any(t.is_alive() for t in threads):
             time.sleep(cadence.poll_s)
@@ -480,12 +385,6 @@ def _run(
         raise
     failures = [r for r in results.values() if isinstance(r, BaseException)]
     if failures:
-        say(f"the pool stopped: {_first_line(failures[0])}")
+        say(f"the pool stopped: {first_line(failures[0])}")
         return 1
     return 1 if any(r != 0 for r in results.values()) else 0
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
