@@ -44,6 +44,21 @@ def run_cli(
     )
 
 
+def submit_seeded(workload: Workload, seeds: range, env: dict[str, str], cwd: Path) -> list[str]:
+    """`orchestrate submit` one cpu-fast job per seed of `workload` (a job each, so a pool
+    has several to share); their job ids, in order."""
+    import json
+
+    path, ids = cwd / "wl.yaml", []
+    for seed in seeds:
+        path.write_text(json.dumps(workload.model_copy(update={"seeds": [seed]}).model_dump()))
+        out = run_cli(["submit", "--stack", "cpu-fast", "--workload", str(path),
+                       "--fidelity-steps", "0", "--json"], env, cwd)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        ids.append(json.loads(out.stdout)["job_id"])
+    return ids
+
+
 def _write_wav(path: Path, frames: int = 240) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with wave.open(str(path), "wb") as w:

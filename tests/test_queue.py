@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import fabricate_result, run_cli
+from factories import fabricate_result, run_cli, submit_seeded
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.protocol import load_protocol
@@ -281,15 +281,7 @@ def test_cpu_pool_runs_six_jobs_once_each_and_survives_a_killed_worker(tmp_path:
 
     db = f"sqlite:///{tmp_path / 'o.db'}"
     env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "6" * 40}
-    wl = tmp_path / "wl.yaml"
-    wl.write_text(TINY.model_copy(update={"name": "q6"}).model_dump_json())
-    ids = []
-    for seed in range(6):
-        wl.write_text(json.dumps(TINY.model_copy(update={"seeds": [seed]}).model_dump()))
-        out = run_cli(["submit", "--stack", "cpu-fast", "--workload", str(wl),
-                       "--fidelity-steps", "0", "--json"], env, tmp_path)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        ids.append(json.loads(out.stdout)["job_id"])
+    ids = submit_seeded(TINY, range(6), env, tmp_path)
     t0 = time.monotonic()
     pool = subprocess.Popen(
         [sys.executable, "-m", "orchestrate.cli", "workers", "--gpus", "cpu:2",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import run_cli
+from factories import run_cli, submit_seeded
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.protocol import load_protocol
@@ -183,14 +183,7 @@ def test_without_the_ray_package_the_backend_says_how_to_install_it(tmp_path: Pa
 def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'o.db'}"
     env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "7" * 40}
-    wl = tmp_path / "wl.yaml"
-    ids = []
-    for seed in range(6):
-        wl.write_text(json.dumps(TINY.model_copy(update={"seeds": [seed]}).model_dump()))
-        out = run_cli(["submit", "--stack", "cpu-fast", "--workload", str(wl),
-                       "--fidelity-steps", "0", "--json"], env, tmp_path)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        ids.append(json.loads(out.stdout)["job_id"])
+    ids = submit_seeded(TINY, range(6), env, tmp_path)
     t0 = time.monotonic()
     pool = subprocess.Popen(
         [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
