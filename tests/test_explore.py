@@ -1233,6 +1233,7 @@ def _summary(env: dict[str, str], cwd: Path) -> dict[str, Any]:
     return row
 
 
+@pytest.mark.serial  # its acceptance reads measured speed
 @pytest.mark.slow
 def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Path) -> None:
     """From stock, the ladder's first round (two candidates a job) holds the static KV cache

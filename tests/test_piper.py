@@ -284,6 +284,7 @@ def cli(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.serial  # asserts int8 is faster
 @pytest.mark.slow
 def test_run_piper_fast_against_stock_through_the_cli(tmp_path: Path) -> None:
     out = cli(

@@ -34,6 +34,7 @@ from orchestrate.running.runner import WorkerLost
 from orchestrate.store.store import Store
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+pytestmark = pytest.mark.serial  # a Ray cluster's processes want the whole machine
 
 CPU = Capabilities(device="cpu", families=("rumik",))
 TINY = Workload(

@@ -31,7 +31,7 @@ PLACEHOLDER = re.compile(r"NAME|\bID\b|<|\{")
 # the function `mark` of running/guards.py.
 FILE_SUFFIXES = {
     "py", "sh", "md", "yaml", "yml", "toml", "ini", "j2", "mako", "txt", "json", "jsonl",
-    "log", "db", "tgz", "gz", "png", "wav", "html", "csv", "lock",
+    "log", "db", "tgz", "gz", "png", "wav", "html", "csv", "lock", "whl",
 }  # fmt: skip
 
 # Paths named on purpose though not in the tree, each with why. Keep this short: a path that
