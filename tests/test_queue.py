@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from factories import fabricate_result, run_cli, submit_seeded
+from pydantic import ValidationError
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.protocol import load_protocol
@@ -148,6 +149,22 @@ def test_priority_first_then_oldest(store: Any, tmp_path: Path) -> None:
     high = store.enqueue(job(tmp_path, seed=2), req, priority=5)
     assert store.claim_job("w", CPU).job_id == high
     assert store.claim_job("w", CPU).job_id == low
+
+
+def test_the_longest_job_id_fits_the_store_with_its_attempt_suffix(
+    store: Any, tmp_path: Path
+) -> None:
+    """Job ids are kept in 64 characters, which PostgreSQL enforces: the longest id a job may
+    have, with a re-queued attempt's suffix, is stored whole; one longer is refused when the
+    job is read, before anything is queued."""
+    longest = "j" * 56
+    for job_id in (longest, f"{longest}-r99"):
+        queued = store.enqueue(job(tmp_path).model_copy(update={"job_id": job_id}),
+                               Requirements(family="rumik", device="cpu"))  # fmt: skip
+        assert queued == job_id and store.get_job(job_id)["state"] == "PENDING"
+    too_long = job(tmp_path).model_dump(mode="json") | {"job_id": "j" * 57}
+    with pytest.raises(ValidationError, match="job_id"):
+        JobSpec.model_validate(too_long)
 
 
 def test_recording_needs_the_claim(store: Any, tmp_path: Path) -> None:

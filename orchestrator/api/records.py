@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from orchestrate.api.config import SAFE_NAME, ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 
+# A safe name (SAFE_NAME) of at most 56 characters: a re-queued attempt appends "-rN" and the
+# store keeps job ids in 64 characters, which PostgreSQL enforces (SQLite would not).
+JOB_ID = SAFE_NAME.replace("{0,99}", "{0,55}")
+
 SCHEMA_VERSION = 1
 
 
@@ -63,7 +67,7 @@ class JobSpec(Record):
 
     schema_version: int = SCHEMA_VERSION
     # A folder name (runs/<job_id>): a hand-written job.json cannot point it elsewhere.
-    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], pattern=SAFE_NAME)
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], pattern=JOB_ID)
     model: ModelSpec
     workload: Workload
     stacks: list[StackSpec] = Field(min_length=1)
