@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from factories import run_cli, submit_seeded
 
-from orchestrate.api.config import ModelSpec, Prompt, StackSpec, Workload
+from orchestrate.api.config import LengthPolicy, ModelSpec, Prompt, StackSpec, Workload
 from orchestrate.api.protocol import load_protocol
 from orchestrate.api.records import JobSpec
 from orchestrate.api.scheduling import Capabilities
@@ -224,6 +224,43 @@ def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path
     spans = sorted((j["claimed_at"], j["finished_at"]) for j in jobs.values())
     busy = sum((end - start).total_seconds() for start, end in spans)
     print(f"six jobs on a Ray cluster of two CPU slots: wall {wall:.1f} s, jobs {busy:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_stops_its_worker_on_the_actors_node(tmp_path: Path) -> None:
+    """`orchestrate cancel` of a running job reaches the worker inside a Ray actor (the
+    driver cannot signal a process on another node: the actor does): the job is CANCELLED
+    within seconds instead of running to its end, and nothing of it is recorded."""
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "7" * 40}
+    # eight clips of 1900 frames (the tiny model holds 2048 positions): minutes of decoding
+    prompts = [Prompt(id=f"p{i}", text="A short sentence.") for i in range(8)]
+    policy = LengthPolicy(mode="fixed", frames=1900)
+    long = TINY.model_copy(update={"prompts": prompts, "length_policy": policy})
+    (job_id,) = submit_seeded(long, range(1), env, tmp_path)
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
+         "--address", "local", "--gpus", "cpu:1", "--exit-when-idle", "--no-mlflow",
+         "--poll", "0.2", "--heartbeat", "0.5"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    with Store(db) as store:
+        deadline = time.monotonic() + 300
+        while not store.get_job(job_id)["progress"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert store.get_job(job_id)["progress"], "the job did not start within 300 s"
+        time.sleep(2)  # into its decoding
+        cancelled = run_cli(["cancel", job_id], env, tmp_path)
+        assert cancelled.returncode == 0, cancelled.stderr
+        t0 = time.monotonic()
+        output, _ = pool.communicate(timeout=300)
+        stopped_s = time.monotonic() - t0
+        row = store.get_job(job_id)
+        runs = store.list_runs(limit=10)
+    assert pool.returncode == 0, output
+    assert row["state"] == "CANCELLED", (row, output)
+    assert not [r for r in runs if r["status"] == "FINISHED"], runs
+    assert stopped_s < 60, f"the pool took {stopped_s:.0f} s to stop after cancel:\n{output}"
 
 
 def test_the_ray_backend_lists_the_clusters_nodes(tmp_path: Path) -> None:

@@ -270,7 +270,7 @@ def run_claimed(
     if claim.attempt > 1:
         job = job.model_copy(update={"job_id": f"{claim.job_id}-r{claim.attempt}"})
     folder = claim.options.get("recordings_from")
-    heart = _Heartbeat(store, claim, runs_dir / job.job_id, beat_s)
+    heart = _Heartbeat(store, claim, runs_dir / job.job_id, beat_s, worker)
 
     def events(event: dict[str, Any]) -> None:
         if event.get("event") in ("status", "stack", "utterance") and event.get("message"):
@@ -330,10 +330,20 @@ def _served(
 
 class _Heartbeat:
     """A thread beating for a claimed job every `every_s`; when the store says the claim is
-    gone (cancelled), it stops the job's worker process."""
+    gone (cancelled), it stops the job's worker process: by the pid the worker wrote in the
+    job's folder, or through the launch's own `stop_job(job_dir)` where the worker runs
+    elsewhere (a Ray actor's node)."""
 
-    def __init__(self, store: Any, claim: Claim, job_dir: Path, every_s: float) -> None:
+    def __init__(
+        self,
+        store: Any,
+        claim: Claim,
+        job_dir: Path,
+        every_s: float,
+        worker: WorkerLaunch | None = None,
+    ) -> None:
         self.store, self.claim, self.job_dir, self.every_s = store, claim, job_dir, every_s
+        self.worker = worker
         self.progress: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
@@ -357,6 +367,10 @@ class _Heartbeat:
                 return
 
     def _stop_worker(self) -> None:
+        if stop_job := getattr(self.worker, "stop_job", None):
+            with suppress(Exception):  # a lost actor stops nothing more: its job is gone too
+                stop_job(self.job_dir)
+            return
         with suppress(OSError, ValueError):
             pid = int((self.job_dir / "worker.pid").read_text().strip())
             os.kill(pid, signal.SIGTERM)

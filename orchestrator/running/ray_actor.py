@@ -9,9 +9,11 @@ import json
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import suppress
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +70,20 @@ class SlotWorker:
             shutil.rmtree(here, ignore_errors=True)
             yield {"rc": item, "files": out}
             return
+
+    def stop_job(self, job_id: str) -> bool:
+        """SIGTERM the worker running `job_id` here (the driver saw its claim cancelled);
+        False when no such job runs. The warm worker ends after it, as after any stopped job."""
+        folder = (self.root / job_id).resolve()
+        if folder.parent != self.root.resolve():
+            raise ValueError(f"not a job id: {job_id!r}")
+        try:
+            pid = int((folder / "worker.pid").read_text().strip())
+        except (OSError, ValueError):
+            return False
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        return True
 
     def _serve_jobs(self) -> None:
         while True:

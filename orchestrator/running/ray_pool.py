@@ -233,6 +233,11 @@ class RayLaunch:
         unpack(folder, final["files"], "", "")
         return int(final["rc"])
 
+    def stop_job(self, job_dir: Path) -> None:
+        """Stop the job's worker on the actor's node (its claim was cancelled): the actor
+        sends it SIGTERM, as the local pool does, and `measure` returns its exit status."""
+        self.ray.get(self.actor.stop_job.remote(job_dir.name), timeout=30)
+
 
 # ------------------------------------------------------------------------ the pool
 
@@ -290,6 +295,7 @@ def _start_members(
             remote.options(
                 **placement,
                 num_cpus=0,  # a slot is its GPU (or CPU slot); the worker's threads are its own
+                max_concurrency=2,  # stop_job reaches it while measure streams a job
                 scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=0,  # attempts are the queue's, recorded; never Ray's silent ones
