@@ -150,6 +150,8 @@ def test_ctrl_c_names_the_interrupt(env, tmp_path):
     slow = WORKLOAD.replace("frames: 4", "frames: 400").replace("warmups: 0", "warmups: 50")
     (tmp_path / "slow.yaml").write_text(slow)
     args = ["run", "--stack", "cpu-fast", "--workload", "slow.yaml", "--no-mlflow"]
+    # Ctrl-C as at a terminal: a process started in the background (nohup, `cmd &` in a
+    # script) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrate.cli", *args],
         env=env,
@@ -157,13 +159,17 @@ def test_ctrl_c_names_the_interrupt(env, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.time() + 180
-    while not list((tmp_path / "runs").glob("*/events.jsonl")) and time.time() < deadline:
-        time.sleep(0.2)  # the worker has started: the run row exists
-    time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        deadline = time.time() + 180
+        while not list((tmp_path / "runs").glob("*/events.jsonl")) and time.time() < deadline:
+            time.sleep(0.2)  # the worker has started: the run row exists
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a run that ignored Ctrl-C must not decode on after the test
     assert proc.returncode == 130
     last = stderr.strip().splitlines()[-1]
     assert last == "error: interrupted (Ctrl-C); the run is marked INTERRUPTED"
