@@ -1246,19 +1246,15 @@ def test_explore_from_stock_finds_a_faster_stack_on_the_tiny_model(tmp_path: Pat
     others): this VM's per-utterance times swing by 20-30% between jobs. Longer clips and
     smaller jobs gave 1.53x [1.36, 1.65] and 1.66x [1.52, 1.76] in 4.2-4.6 minutes. A CI
     machine once read the fresh job at 1.196x and accepted nothing: timing on a shared VM is
-    a sample, so a second exploration, in a folder of its own, gets one more chance; the test
-    fails only when both accept nothing at >= 1.3x, naming every reason."""
-    tries = []
-    for attempt in range(2):
-        folder = tmp_path / f"try{attempt}"
-        folder.mkdir()
-        row, env = _explore_from_stock(folder)
-        decided = [f"{c['change']}: {c['decision']}: {c['reason']}" for c in row["candidates"]]
-        tries.append(f"try {attempt}: {row['stop_reason']}\n  " + "\n  ".join(decided))
-        if (row["champion_headline"] or 0.0) >= 1.3:
-            break
-    else:  # on a loaded machine the runs come out noisy and nothing is accepted: run it alone
-        pytest.fail("no exploration accepted a stack at >= 1.3x:\n" + "\n".join(tries))
+    a sample. A second exploration used to get one more chance; on a 2-core AMD EPYC (about
+    3x slower) a job of three stacks took 4.3-4.8 minutes, an 11-minute budget stopped both
+    tries before the gate, and two tries of a longer budget would put CI's 90 minutes at
+    risk. So one exploration with 16 minutes; a failure names every decision."""
+    row, env = _explore_from_stock(tmp_path)
+    decided = [f"{c['change']}: {c['decision']}: {c['reason']}" for c in row["candidates"]]
+    if (row["champion_headline"] or 0.0) < 1.3:
+        why = "\n  ".join(decided)
+        pytest.fail(f"no stack accepted at >= 1.3x: {row['stop_reason']}\n  {why}")
     accepted = [c for c in row["candidates"] if c["decision"] == "accept"]
     assert accepted and accepted[0]["quality_path"] == decisions.EXACT
     fresh, gate = accepted[0]["steps"][-2:]
@@ -1286,10 +1282,10 @@ def _explore_from_stock(folder: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """One ladder exploration from stock in `folder`: its --json row and its environment."""
     env = files(folder, frames=320, seeds="[42, 43]", warmups=1)
     started = time.monotonic()
-    args = ["--budget", "11m, 8 jobs", "--target", "1.3", "--proposer", "ladder", "--per-job", "2"]
+    args = ["--budget", "16m, 8 jobs", "--target", "1.3", "--proposer", "ladder", "--per-job", "2"]
     out = cli(["explore", *COMMON, *args, "--no-mlflow", "--json"], env, folder)
     assert out.returncode == 0, out.stderr
-    assert time.monotonic() - started < 720  # the 11-minute budget, and a job's overrun
+    assert time.monotonic() - started < 1020  # the 16-minute budget, and a job's overrun
     row = json.loads(out.stdout)
     assert row["status"] == "FINISHED" and row["stop_reason"]
     return row, env
