@@ -180,18 +180,24 @@ def test_without_the_ray_package_the_backend_says_how_to_install_it(tmp_path: Pa
 # ----------------------------------------------------------------- end to end
 
 
+def local_ray_pool(env: dict[str, str], cwd: Path, slots: int) -> subprocess.Popen[str]:
+    """`orchestrate workers --backend ray` on a local cluster of `slots` CPU slots, draining
+    the queue until it is empty; stdout and stderr together."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
+         "--address", "local", "--gpus", f"cpu:{slots}", "--exit-when-idle", "--no-mlflow",
+         "--poll", "0.2", "--heartbeat", "0.5"],
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'o.db'}"
     env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "7" * 40}
     ids = submit_seeded(TINY, range(6), env, tmp_path)
     t0 = time.monotonic()
-    pool = subprocess.Popen(
-        [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
-         "--address", "local", "--gpus", "cpu:2", "--exit-when-idle", "--no-mlflow",
-         "--poll", "0.2", "--heartbeat", "0.5"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    pool = local_ray_pool(env, tmp_path, slots=2)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(pool.stdout or ()), daemon=True)
     reader.start()
@@ -238,12 +244,7 @@ def test_a_cancelled_job_stops_its_worker_on_the_actors_node(tmp_path: Path) -> 
     policy = LengthPolicy(mode="fixed", frames=1900)
     long = TINY.model_copy(update={"prompts": prompts, "length_policy": policy})
     (job_id,) = submit_seeded(long, range(1), env, tmp_path)
-    pool = subprocess.Popen(
-        [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
-         "--address", "local", "--gpus", "cpu:1", "--exit-when-idle", "--no-mlflow",
-         "--poll", "0.2", "--heartbeat", "0.5"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    pool = local_ray_pool(env, tmp_path, slots=1)
     with Store(db) as store:
         deadline = time.monotonic() + 300
         while not store.get_job(job_id)["progress"] and time.monotonic() < deadline:
