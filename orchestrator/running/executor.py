@@ -16,7 +16,6 @@ transaction. Two executors:
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -371,6 +370,4 @@ class _Heartbeat:
             with suppress(Exception):  # a lost actor stops nothing more: its job is gone too
                 stop_job(self.job_dir)
             return
-        with suppress(OSError, ValueError):
-            pid = int((self.job_dir / "worker.pid").read_text().strip())
-            os.kill(pid, signal.SIGTERM)
+        runner.stop_worker_in(self.job_dir)

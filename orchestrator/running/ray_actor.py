@@ -9,16 +9,15 @@ import json
 import os
 import queue
 import shutil
-import signal
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import suppress
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
 from orchestrate.api.scheduling import Capabilities
+from orchestrate.running.runner import stop_worker_in
 from orchestrate.running.warm import WarmWorker
 
 TEXT_SUFFIXES = (".json", ".jsonl", ".log", ".txt")  # files whose paths are rewritten
@@ -77,13 +76,7 @@ class SlotWorker:
         folder = (self.root / job_id).resolve()
         if folder.parent != self.root.resolve():
             raise ValueError(f"not a job id: {job_id!r}")
-        try:
-            pid = int((folder / "worker.pid").read_text().strip())
-        except (OSError, ValueError):
-            return False
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        return True
+        return stop_worker_in(folder)
 
     def _serve_jobs(self) -> None:
         while True:

@@ -136,6 +136,17 @@ def spawn_worker(
             raise
 
 
+def stop_worker_in(job_dir: Path) -> bool:
+    """SIGTERM the worker whose pid it wrote in `job_dir` (worker.pid); False when none."""
+    try:
+        pid = int((job_dir / "worker.pid").read_text().strip())
+    except (OSError, ValueError):
+        return False
+    with suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    return True
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """For the worker, run between fork and exec (Linux): SIGKILL it when the orchestrator
     dies, so a `kill -9` of `orchestrate run` leaves no orphan holding the GPU (what it
