@@ -23,7 +23,17 @@ if [ ! -x .venv/bin/torchrun ]; then
     fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.11.0" "torchaudio==2.11.0"
-.venv/bin/python -m pip install -q -e ".[orchestrator,dev,quality,omnivoice,postgres,ray]"
-.venv/bin/python -m pip install -q --no-deps "omnivoice==0.2.1"
+# uv installs the same versions as pip (compared: `uv pip freeze` of both venvs) in about a
+# third of the time: 75 s against 240 s for this list on a 2-core VM, most of pip's being
+# unpacking and byte-compiling torch's CUDA wheels on one core. pip stays the fallback when
+# uv cannot be had or fails (an index only pip's own configuration knows, say).
+.venv/bin/python -m pip install -q --upgrade pip uv || echo "warning: uv not installed; using pip"
+install() {
+    if [ -x .venv/bin/uv ] && UV_NATIVE_TLS=1 .venv/bin/uv pip install -q --python .venv/bin/python "$@"; then
+        return
+    fi
+    .venv/bin/python -m pip install -q "$@"
+}
+install "torch==2.11.0" "torchaudio==2.11.0"
+install -e ".[orchestrator,dev,quality,omnivoice,postgres,ray]"
+install --no-deps "omnivoice==0.2.1"
