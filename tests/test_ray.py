@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -271,3 +272,59 @@ def test_the_ray_backend_lists_the_clusters_nodes(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     (node,) = json.loads(out.stdout)
     assert node["gpus"] == 0 and node["cpu_slots"] == 0 and node["workers"] == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_a_lost_head_stops_the_pool_with_one_line_and_requeues_its_job(tmp_path: Path) -> None:
+    """A pool joined to a cluster (`ray start --head`, then --address HOST:PORT) whose head
+    goes away mid-job (`ray stop --force`): one line, exit 1, and the job PENDING again with
+    no attempt spent and nothing recorded as done. Before the head check the driver printed
+    the raylet's 20-line log dump, spent an attempt, and was ended by Ray's own client after
+    60 s with a C++ log line."""
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    env = os.environ | {"ORCHESTRATE_DB_URL": db, "ORCHESTRATE_CODE_SHA": "7" * 40}
+    policy = LengthPolicy(mode="fixed", frames=1900)  # minutes of decoding: cut mid-job
+    (job_id,) = submit_seeded(TINY.model_copy(update={"length_policy": policy}), range(1),
+                              env, tmp_path)  # fmt: skip
+    port, ray_bin = _free_port(), str(Path(sys.executable).with_name("ray"))
+    head = subprocess.run(
+        [ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2",
+         "--resources", json.dumps({ray_pool.CPU_SLOT: 1}), "--include-dashboard", "false",
+         "--disable-usage-stats"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert head.returncode == 0, head.stderr
+    try:
+        pool = subprocess.Popen(
+            [sys.executable, "-m", "orchestrate.cli", "workers", "--backend", "ray",
+             "--address", f"127.0.0.1:{port}", "--gpus", "cpu:1", "--exit-when-idle",
+             "--no-mlflow", "--poll", "0.2", "--heartbeat", "0.5"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        with Store(db) as store:
+            deadline = time.monotonic() + 300
+            while not store.get_job(job_id)["progress"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert store.get_job(job_id)["progress"], "the job did not start within 300 s"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+    t0 = time.monotonic()
+    out, err = pool.communicate(timeout=120)
+    stopped_s = time.monotonic() - t0
+    assert pool.returncode == 1, (out, err)
+    said = [line for line in out.splitlines() if not line.startswith("[ray:")]  # its slot's log
+    lost = "the pool stopped: lost the Ray cluster: its head at "
+    assert len(said) == 1 and said[0].startswith(lost), out
+    assert err == "", err  # no raylet dump, no C++ log line
+    assert stopped_s < 30, f"{stopped_s:.0f} s to stop"
+    with Store(db) as store:
+        row = store.get_job(job_id)
+        runs = store.list_runs(limit=10)
+    assert row["state"] == "PENDING" and row["attempts"] == 0, row
+    assert not [r for r in runs if r["status"] == "FINISHED"], runs

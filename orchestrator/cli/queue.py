@@ -197,7 +197,8 @@ def workers(
     from orchestrate.store.errors import StoreError  # PoolRefused, a database gone away
 
     store = open_store(db)
-    say = lambda line: console.print(escape(line), highlight=False)  # noqa: E731
+    # one event a line, never wrapped: a log a reader greps (console wraps at 160 when piped)
+    say = lambda line: console.print(escape(line), highlight=False, soft_wrap=True)  # noqa: E731
     cadence = Cadence(poll, heartbeat, stale_after)
     if backend is Backend.ray:
         from orchestrate.running import ray_pool

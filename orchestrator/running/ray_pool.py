@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ from orchestrate.store.probes import first_line
 CPU_SLOT = "orchestrate_cpu_slot"  # a cluster's CPU slots: ray start --resources '{...: N}'
 RESTART_WAIT_S = 120.0  # an actor not back from a restart within this is given up
 PROBE_TIMEOUT_S = 300.0  # an actor that cannot be placed or started within this is refused
+HEAD_TIMEOUT_S = 3.0  # a head that takes no TCP connection within this is lost
 
 
 class RayUnavailable(RuntimeError):
@@ -90,6 +92,7 @@ def connect(address: str, cpu_slots: int = 0) -> Any:
             object_store_memory=256 * 1024 * 1024,  # job folders pass through it, small
             **quiet,
         )
+        quiet_cluster_notices(ray)
         return ray
     _check_answers(address)
     try:
@@ -100,6 +103,7 @@ def connect(address: str, cpu_slots: int = 0) -> Any:
             "`ray start --head`; a cluster with token authentication needs its token in "
             "RAY_AUTH_TOKEN or ~/.ray/auth_token; --address local starts one in this process)"
         ) from exc
+    quiet_cluster_notices(ray)
     return ray
 
 
@@ -220,6 +224,7 @@ class RayLaunch:
                 errors.NodeDiedError, errors.OutOfMemoryError) as exc:  # fmt: skip
             if self.stopping.is_set():
                 raise Interrupted(f"the pool is stopping ({self.slot})") from exc
+            check_head(self.ray)  # a lost head fails every actor: not this job's attempt
             raise WorkerLost(f"Ray actor {self.slot} died mid-job: {first_line(exc)}") from exc
         except errors.RayTaskError as exc:  # the actor's code raised: the job failed there
             cause = getattr(exc, "cause", None) or exc
@@ -329,11 +334,47 @@ def _start_members(
     return actors, members
 
 
+def check_head(ray: Any) -> None:
+    """Raise ClusterLost when the cluster's head (its GCS) refuses a TCP connection. Asked
+    when an actor stops answering: without it a lost head would look like a dead actor (an
+    attempt spent per job) until Ray's own client ends this process after 60 s with a
+    C++ log line instead of ours."""
+    address = ray.get_runtime_context().gcs_address
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=HEAD_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ClusterLost(
+            f"lost the Ray cluster: its head at {address} does not answer "
+            f"({exc.strerror or exc}); running jobs went back to the queue"
+        ) from None
+
+
+def quiet_cluster_notices(ray: Any) -> None:
+    """Ray's driver prints every error its cluster publishes, a lost node's as a 20-line
+    dump of the raylet's log, to stdout. Keep one line of each, on stderr; a node's death
+    is left out altogether, as the pool says what it did to its jobs (`died mid-job`, or the
+    cluster lost). Ray's private printer is replaced only where it exists (2.40-2.60 have it);
+    elsewhere Ray prints as it does."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    if worker is None or not callable(getattr(worker, "print_to_stdstream", None)):
+        return
+
+    def one_line(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        lines = [str(x) for x in data.get("lines", ()) if str(x).strip()]
+        if not lines or "Raylet is terminated" in lines[0]:
+            return
+        print(f"ray ({data.get('pid', '?')}): {first_line(lines[0])}", file=sys.stderr)
+
+    worker.print_to_stdstream = one_line
+
+
 def _answers(ray: Any, actor: Any) -> bool:
     """Whether the actor takes calls, waiting out a restart (Ray restarts a dead actor up to
-    MAX_RESTARTS times); False once it is gone for good."""
+    MAX_RESTARTS times); False once it is gone for good. ClusterLost when the head is."""
     deadline = time.monotonic() + RESTART_WAIT_S
     while time.monotonic() < deadline:
+        check_head(ray)
         try:
             ray.get(actor.pid.remote(), timeout=RESTART_WAIT_S)
             return True
@@ -345,9 +386,14 @@ def _answers(ray: Any, actor: Any) -> bool:
 
 
 def _close(ray: Any, actor: Any) -> None:
-    with contextlib.suppress(Exception):  # dead already, or the cluster is gone
+    try:
+        check_head(ray)
+    except ClusterLost:
+        return  # nothing to close: a call would wait out its timeout for nobody
+    with contextlib.suppress(Exception):  # dead already
         ray.get(actor.close.remote(), timeout=30)
-    ray.kill(actor, no_restart=True)
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
 
 
 def _run(
