@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --for
 # FlashInfer: 0.7.4's wheel (101 MB) is over a call's 64 MiB; flashinfer-python 0.6.18.post1
 # fits, with apache-tvm-ffi, einops, tabulate, nvidia-ml-py, nvidia-cudnn-frontend, cuda-tile
 # and nccl4py (its GPU tests pass with these in .whl/:
-# benchmarks/h200/issue14-s18-gpu-tests-final.log).
+# benchmarks/h200/issue14-gpu-tests-flashinfer.log).
 # FlashInfer JIT-compiles its kernels with ninja, which rebuilds whenever an input is newer
 # than its output. A fresh install stamps flashinfer's sources "now", newer than a JIT cache
 # carried from an earlier host (tar keeps its mtimes): a rebuild per call (~105 s cold in one
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --for
 # Ageing the installed sources lets ninja see the carried cache as up to date:
 #   export FLASHINFER_WORKSPACE_BASE=/tmp/fi; tar xzf fi-cache.tgz -C /tmp   (before a run)
 #   tar czf $OUT/fi-cache.tgz -C /tmp fi                                     (after one)
-# (Not yet seen working on the GPU host: the session that found the rebuild had no time left.)
+# (Not yet seen working on the GPU host.)
 for pkg in /tmp/site/flashinfer /tmp/site/tvm_ffi; do
     [ -d "$pkg" ] && find "$pkg" -exec touch -h -d "2001-01-01" {} +
 done

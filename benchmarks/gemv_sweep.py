@@ -6,10 +6,10 @@ For (25088 x 2048) (q,k,v,gate,up packed) and (2048 x 13056) (o+down packed): ev
 of int8_gemv.GEMV_CONFIGS plus the wider candidates below, each timed by tune_int8_linear
 (CUDA-graph replay over weight copies that exceed the L2 four times), against the shipped
 H200 winner, with achieved bandwidth and its fraction of the copy ceiling the environment
-measures (benchmarks/h200/issue14-s7-gemv-sweep.json and issue14-s7-gemv-sweep2.json used
+measures (benchmarks/h200/issue14-gemv-sweep.json and issue14-gemv-sweep-refined.json used
 a 1 GiB copy of this script's own: 4.23-4.24 TB/s). A profile for choosing H200_CONFIGS, not
 a headline: the step's time is `orchestrate run`'s. `--tma` times only the shipped config,
-the s12 table's and the TMA kernel's candidates; `--repeats N` sweeps N times and reports
+the pdl_tuned table's and the TMA kernel's candidates; `--repeats N` sweeps N times and reports
 each config's median.
 """
 
@@ -41,7 +41,7 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 512, 4, split_k=2, prefetch=True, magic=True),
     C(16, 1024, 8, prefetch=True, magic=True),
     C(8, 2048, 8, magic=True),
-    # around the first sweep's winners (benchmarks/h200/issue14-s7-gemv-sweep2.json)
+    # around the first sweep's winners (benchmarks/h200/issue14-gemv-sweep-refined.json)
     C(16, 512, 8, prefetch=True, magic=True),
     C(32, 512, 8, magic=True),
     C(16, 1024, 8, magic=True),
@@ -56,7 +56,7 @@ EXTRA = (  # more bytes in flight per program, or more programs for the short-N 
     C(8, 2048, 8, split_k=2, magic=True),
     # the first chunk before the PDL wait (preload), and a [BLOCK_N] accumulator (reduce_each)
     # that frees registers for wider chunks and more programs (timed with PDL:
-    # benchmarks/h200/issue14-s12-gemv-sweep-pdl.json)
+    # benchmarks/h200/issue14-gemv-sweep-pdl.json)
     C(16, 512, 8, magic=True, preload=True),
     C(16, 512, 8, magic=True, reduce_each=True),
     C(16, 512, 8, magic=True, preload=True, reduce_each=True),
@@ -78,7 +78,7 @@ def main() -> None:
                     help="launch every call with PDL: each overlaps the previous one's tail, "
                     "as inside a decode step (where preload can pay)")  # fmt: skip
     ap.add_argument("--tma", action="store_true",
-                    help="time only the shipped config, the s12 table's and the TMA kernel's "
+                    help="time only the shipped config, the pdl_tuned table's and the TMA kernel's "
                     "candidates (int8_gemv.TMA_CONFIGS)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
                     help="sweep every config this many times, interleaved; rows report the "
@@ -96,8 +96,8 @@ def main() -> None:
         shipped = g.default_config(n, k)
         configs, refused = [], []
         if args.tma:
-            s12 = g.GEMV_TABLES["s12"].get((n, k))
-            candidates = (shipped, *([s12] if s12 else []), *g.TMA_CONFIGS[(n, k)])
+            tuned = g.GEMV_TABLES["pdl_tuned"].get((n, k))
+            candidates = (shipped, *([tuned] if tuned else []), *g.TMA_CONFIGS[(n, k)])
         else:
             candidates = (shipped, *g.GEMV_CONFIGS, *EXTRA, *g.TMA_CONFIGS.get((n, k), ()))
         for cfg in dict.fromkeys(candidates):

@@ -3,7 +3,7 @@
     python benchmarks/ov_probe_fp8_attn.py --out ov_probe.json [--rows 156 --seq 78]
 
 The profile of ov-best-packed-qkv's forward (1.429 GPU-busy ms,
-benchmarks/h200/issue14-s15-qkv5-profile.json): cuBLAS's four bf16 GEMMs a layer 52% (each at
+benchmarks/h200/issue14-ov-qkv-v5-profile.json): cuBLAS's four bf16 GEMMs a layer 52% (each at
 about a quarter of the copy bandwidth at 156 rows), cuDNN's attention 0.188 ms (6.7 us a
 layer at 2 x 78 positions). Two levers no stack has tried:
   * FP8 weights and activations (e4m3, a scale per row of each: torch._scaled_mm, cuBLASLt):

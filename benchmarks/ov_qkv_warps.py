@@ -4,7 +4,7 @@
 
 The packed forward launches `qkv_norm_rope` once a layer on [2, 78, 4096] bf16 (ov-tput's CFG
 pair; Qwen3's 16 query and 8 KV heads of 128) with num_warps=4. One profile
-(benchmarks/h200/issue14-s15-qkv5-profile.json) timed it at 3.34 us heads-major (v3) and
+(benchmarks/h200/issue14-ov-qkv-v5-profile.json) timed it at 3.34 us heads-major (v3) and
 3.88 us tokens-major (v5): this sweep asks whether another warp count suits the tokens-major
 writes. Each launch is compared with the shipped one (the
 norm's sums reduce across warps, so another count may round differently: said per row), then

@@ -1,5 +1,5 @@
 """Why test_qk_norm_rope_op_inside_torch_compile failed on the H200 (its output:
-benchmarks/h200/issue14-s17-qk-compile-diag.log): for each of the three op forms, compiled
+benchmarks/h200/issue14-qk-compile-diag.log): for each of the three op forms, compiled
 against eager, with and without torch._dynamo.reset() between forms. Prints shape, stride,
 torch.equal and the max difference per output tensor."""
 

@@ -1,4 +1,4 @@
-# Device call 1 of the architecture move (issue 10): every GPU test, then OmniVoice's best
+# OmniVoice re-measured after the architecture move (issue 10): every GPU test, then its best
 # stack against A on the committed record's workload (h200/issue5-omnivoice-best.result.json:
 # ov-best S 0.0053 RTF). Run from the repo root on the GPU host after
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh

@@ -1,4 +1,4 @@
-# Device call 2 of the architecture move (issue 10): stock and exp74-full at real shape on
+# Rumik re-measured after the architecture move (issue 10): stock and exp74-full at real shape on
 # the committed record's workload (h200/issue3-headline-while-int6.result.json: stock RTF
 # 2.7824, exp74-full 0.1687), interleaved in one worker; then exp74-full alone in a fresh
 # worker, whose peak GPU memory is then that stack's own (issue 14's memory question).

@@ -717,13 +717,13 @@ def test_int8_gemv_configs_table_reaches_the_kernel(fused_case, monkeypatch) -> 
         def get(self, key: object, default: object = None) -> gemv.GemvConfig:
             return gemv.GemvConfig(64, 128, reduce_each=True)
 
-    monkeypatch.setitem(gemv.GEMV_TABLES, "s12", EveryShape())
+    monkeypatch.setitem(gemv.GEMV_TABLES, "pdl_tuned", EveryShape())
     seen: list[bool] = []
     launch = gemv._launch_gemv
     monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl: seen.append(
         cfg.reduce_each) or launch(x, q, s, o, cfg, pdl))  # fmt: skip
     each = _teacher_forced(model, names, prompt, tokens[:4],
-                           int8_projections={"gemv_configs": "s12"})  # fmt: skip
+                           int8_projections={"gemv_configs": "pdl_tuned"})  # fmt: skip
     assert seen and all(seen)
     assert rel_err(each, plain) < 1e-4
     assert CUDA or not torch.equal(each, plain)  # the interpreter shows the other roundings

@@ -369,9 +369,9 @@ def test_fused_qk_norm_rope_forward_on_cuda_matches_packed():
     Against float32, not against the bf16 modules: the kernel rounds as eager bf16 arithmetic
     does, but its fp32 mean of squares sums in another order, so single elements round the
     other way, and through every layer the two bf16 paths drift apart by up to 0.024 of the
-    logits' std (on the H200: benchmarks/h200/issue14-s13-gpu-tests.log): a fixed bound on
-    that drift says nothing about which path is right; each path's distance from float32
-    does."""
+    logits' std (on the H200: benchmarks/h200/issue14-gpu-tests-qk-fixed-bound.log): a fixed
+    bound on that drift says nothing about which path is right; each path's distance from
+    float32 does."""
     from orchestrate.api.device import count_launches
     from orchestrate.families.omnivoice.engine import build_cfg_batch
 

@@ -1,6 +1,7 @@
 """The repository speaks of itself correctly (issue 35): every file path and every
 `orchestrate.*` module that a tracked text file names exists, so a docstring or comment left
-pointing at a moved or deleted file fails CI instead of sending a reader to nothing."""
+pointing at a moved or deleted file fails CI instead of sending a reader to nothing; and it
+speaks of the product, not of the work periods it was made in (no development diary)."""
 
 from __future__ import annotations
 
@@ -41,23 +42,37 @@ ALLOWED_MISSING = {
     "configs/protocols/default-v2.yaml",
     # a user's hypothetical holdout file in research/holdout.py's docstring
     "configs/holdout/x.yaml",
-    # written by benchmarks/ov_gemm_sweep.py --stack-out, then read by speed2_s15.sh's gemm modes
+    # written by benchmarks/ov_gemm_sweep.py --stack-out (kernel_sweeps.sh ov-gemm) where a
+    # config beats cuBLAS, then read by the ov-gemm modes of benchmarks/ab.sh and profiles.sh
     "benchmarks/stacks/ov-best-packed-gemm.yaml",
-    # removed with its negative result; speed2_s18.sh says to run its `ov` mode at 25cd9e0
+    # removed with its negative result; the ov-inductor-pdl modes of benchmarks/ab.sh and
+    # profiles.sh say to run them from a checkout of 25cd9e0, where it exists
     "benchmarks/stacks/ov-best-packed-qkv-pdl.yaml",
 }
 
 
-def tracked_text_files() -> list[str]:
+# A development diary: text that counts the work periods the repository was made in
+# ("session 7", "sessions 3-18"), and file names tagged with one (`speed2_s7.sh`,
+# `issue14-s12-preload.json`, `exp74-full-s6.yaml`). A record or a script is named by what
+# it measures; a result is quoted with its commit and date. Records are read for their names
+# only: what a stack's description said when it was measured stays as measured.
+DIARY_TEXT = re.compile(r"(?i)\bsessions?\s+[0-9]+")
+DIARY_NAME = re.compile(r"_s[0-9]+\.|-s[0-9]+[-./]")
+
+
+def tracked_files() -> list[str]:
     out = subprocess.run(
         ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     if out.returncode != 0:
         pytest.skip("not a git checkout: no tracked files to read")
-    names = [n for n in out.stdout.split("\0") if n]
+    return [n for n in out.stdout.split("\0") if n]
+
+
+def tracked_text_files() -> list[str]:
     return [
         n
-        for n in names
+        for n in tracked_files()
         if (Path(n).suffix in TEXT_SUFFIXES or n in TEXT_NAMES)
         and n != THIS_FILE
         and (ROOT / n).is_file()  # tracked but deleted in this working tree: not read
@@ -148,3 +163,40 @@ def test_the_check_catches_a_moved_module() -> None:
     assert not module_exists("orchestrate." + "launches", dirs)
     assert module_exists("orchestrate.api.device.count_launches", dirs)
     assert module_exists("orchestrate.families.rumik", dirs)
+
+
+def test_no_development_diary() -> None:
+    """No tracked text counts work periods and no tracked file is named for one (issue 35)."""
+    found = []
+    for name in tracked_text_files():
+        text = (ROOT / name).read_text("utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), 1):
+            if DIARY_TEXT.search(line):
+                found.append(f"{name}:{number}: {line.strip()[:100]}")
+    found += [f"{n}: named for a work period" for n in tracked_files() if DIARY_NAME.search(n)]
+    assert not found, (
+        "a development diary (say what is measured and why; name records by what they "
+        "measure, quote results with their commit):\n" + "\n".join(found)
+    )
+
+
+def test_the_diary_check_catches_work_periods() -> None:
+    """The patterns themselves: work periods are caught, ordinary text and names are not."""
+    diary = ["## Session 7 (2026-12-02)", "as session 14 profiled it", "(sessions 3-18)"]
+    assert all(DIARY_TEXT.search(t) for t in diary)
+    plain = ["the onnxruntime session's options", "one session per transaction", "fp16, 30 s, s8"]
+    assert not any(DIARY_TEXT.search(t) for t in plain)
+    tagged = [
+        "benchmarks/speed2_s7.sh",
+        "benchmarks/h200/issue14-s12-preload.result.json",
+        "experiments/exp74-full-s6.yaml",
+        "benchmarks/h200/issue13-explore-exp74-s8-events/aa4f0d2d648a.jsonl",
+    ]
+    assert all(DIARY_NAME.search(n) for n in tagged)
+    named = [
+        "benchmarks/h200/issue14-gemv-sweep-pdl.json",
+        "benchmarks/cpu/frames-sweep-32.result.json",
+        "benchmarks/stacks/ov-best-packed-qkv-v3.yaml",
+        "tests/test_kernels.py",
+    ]
+    assert not any(DIARY_NAME.search(n) for n in named)

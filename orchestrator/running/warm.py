@@ -3,7 +3,7 @@
 A fresh worker per job pays, every job, for the imports, the model build (3.38B random
 parameters) and the process's first-call costs (cuBLAS, allocator, the codec's first
 pass), which land on whichever stack warms up first: on the H200 a job of four stacks took
-145 s cold and 105 s warm (benchmarks/h200/issue13-explore-exp74-s8-events).
+145 s cold and 105 s warm (benchmarks/h200/issue13-explore-exp74-warm-events).
 `WarmWorker` is a drop-in for runner.spawn_worker (execute(..., worker=...)):
 the same arguments, the same events, logs and exit status, from one process
 (`worker --serve`) that keeps the built model while its checksum holds (worker.ModelCache).

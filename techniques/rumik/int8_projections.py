@@ -30,10 +30,12 @@ class Int8Params(TechniqueParams):
         description="Each decode GEMV program loads its first weight chunk before its PDL "
         "wait (a launch option; numerically the same GEMV).",
     )
-    gemv_configs: Literal["shipped", "s12"] = Field(
+    gemv_configs: Literal["shipped", "pdl_tuned"] = Field(
         "shipped",
         description="Which measured table of GEMV launch configs the decode GEMVs use "
-        "(kernels/int8_gemv.GEMV_TABLES); a table's reduce_each changes the summation order.",
+        "(kernels/int8_gemv.GEMV_TABLES): `shipped` (H200_CONFIGS alone) or `pdl_tuned` (the "
+        "winners of the INT8 GEMV sweep with PDL); a table's reduce_each changes the "
+        "summation order.",
     )
 
 

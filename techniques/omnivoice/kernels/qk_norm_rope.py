@@ -28,13 +28,13 @@ Why
 ---
 ov_packed_projections leaves this to inductor, which fuses it into a reduction kernel of
 5.8 us a layer reading strided columns of the packed output
-(benchmarks/h200/issue14-s11-ov-packed-profile.json), then SDPA's layout copies. Here one
+(benchmarks/h200/issue14-ov-packed-profile.json), then SDPA's layout copies. Here one
 program per token reads its q and k heads once and writes them in the [B, H, S, D] layout
 attention reads. With a mask (OmniVoice's CFG padding), transformers' SDPA path expands k and
 v to the q heads (repeat_kv: two copy kernels a layer,
-benchmarks/h200/issue14-s14-ov-profile.json); `qkv_norm_rope` writes that layout in the same
+benchmarks/h200/issue14-ov-fused-profile.json); `qkv_norm_rope` writes that layout in the same
 launch, and tokens-major so that attention's output needs no copy back (heads-major, it
-costs a 1.40 us clone a layer: benchmarks/h200/issue14-s14-qkv-profile.json).
+costs a 1.40 us clone a layer: benchmarks/h200/issue14-ov-qkv-v3-profile.json).
 `qk_norm_rope_op` is the same launch as a torch.library triton_op, so torch.compile keeps it
 inside its graph instead of breaking the graph around an opaque call.
 """
@@ -122,7 +122,7 @@ def _qk_norm_rope_kernel(
     # Under torch.compile a Python float argument arrives as fp64; left so, it promotes the
     # norm to fp64, whose one rounding to bf16 differs from eager's fp32-then-bf16 in the
     # last bit now and then (on the H200, k came out 1 ulp apart, compiled against eager:
-    # benchmarks/h200/issue14-s17-qk-compile-diag.log)
+    # benchmarks/h200/issue14-qk-compile-diag.log)
     eps = tl.cast(eps, tl.float32)
     b = tl.program_id(0) // S
     s = tl.program_id(0) % S
@@ -194,7 +194,7 @@ def _launch(kernel, qkv, q_weight, k_weight, cos, sin, eps: float, hq: int, hkv:
         # Tokens-major outputs go back as the contiguous [b, s, n, d] tensors the kernel
         # wrote, not as transposed views: under torch.compile a triton_op's outputs that are
         # views are cloned around the launch (about 3 copy kernels a layer more:
-        # benchmarks/h200/issue14-s15-qkv-profile.json)
+        # benchmarks/h200/issue14-ov-qkv-v4-profile.json)
         shape = (b, s, n, d) if tokens_major else (b, n, s, d)
         return torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
 

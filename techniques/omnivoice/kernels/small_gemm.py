@@ -15,7 +15,7 @@ Why
 Each unmasking forward of the packed backbone multiplies 156 rows (the CFG pair of 78
 positions for ov-tput) by four weights a layer: q|k|v [4096, 1024], o_proj [1024, 2048],
 gate|up [6144, 1024], down [1024, 3072]. cuBLAS picks 64-row tiles for them and takes 5.6-7.4
-us each (benchmarks/h200/issue14-s15-qkv5-profile.json): o_proj reads its 4.2 MB at about
+us each (benchmarks/h200/issue14-ov-qkv-v5-profile.json): o_proj reads its 4.2 MB at about
 0.6 TB/s, because 156 x 1024 outputs in 64 x 128 tiles are only 24 programs for 132 SMs.
 Splitting K multiplies the programs that stream w.
 

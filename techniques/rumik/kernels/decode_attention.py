@@ -34,7 +34,7 @@ once and nothing beyond the length:
   writes unnormalised partials; a second small kernel merges them (log-sum-exp weights).
   Merging inside the split launch instead (the last program of each KV head, counted with an
   atomic, merges its G heads) was measured slower on the H200: 1.908 against 1.699 ms per
-  token for exp74-full (benchmarks/h200/issue14-s7-profile-variants.json); the merge runs
+  token for exp74-full (benchmarks/h200/issue14-merge-variants-profile.json); the merge runs
   serially in 4 programs at the tail, where the second kernel spreads it over 16.
 - num_splits=1 is the single-pass variant: one program per KV head normalises and writes the
   output directly (no second kernel; only for very short caches: 4 programs cannot stream).

@@ -24,20 +24,21 @@ Why
 ---
 exp74-full launched, per layer, a rotary + cache-write kernel after the input GEMV and a
 SwiGLU + pack kernel before the output GEMV: two of its seven launches a layer (3.5 and 1.2 us
-a call, benchmarks/h200/issue14-s11-profile-v1.json). A program here owns pairs of rows (an
-even and an odd accumulator), so a rotary pair, or a (gate_j, up_j) pair, is finished where it
-is summed: the epilogue costs one table load or one exp per pair.
+a call, benchmarks/h200/issue14-exp74-fused-profile-v1.json). A program here owns pairs of
+rows (an even and an odd accumulator), so a rotary pair, or a (gate_j, up_j) pair, is finished
+where it is summed: the epilogue costs one table load or one exp per pair.
 
-A first version computed the activation in the output GEMV's x load instead: every one of
-its 256 programs recomputed all 11,008 activations (about 20 MB of L2 reads a call), and that
-GEMV went from 10.5 to 13.2 us a call, more than the launch it saved (same profile). A third
-version read the epilogue's position, table and scales before the K loop: GPU-busy 1.456 ms a
-token against this version's 1.398 (benchmarks/h200/issue14-s11-fused-v3.result.json against
-issue14-s11-fused-v2.result.json), so they stay after it.
+The activation is computed in the input GEMV's epilogue, not in the output GEMV's x load:
+there every one of that GEMV's 256 programs would recompute all 11,008 activations (about
+20 MB of L2 reads a call), which took it from 10.5 to 13.2 us a call, more than the launch it
+saves (benchmarks/h200/issue14-exp74-fused-profile-v1.json). The epilogue's position, table
+and scale loads stay after the K loop: read before it, GPU-busy was 1.456 ms a token against
+1.398 (benchmarks/h200/issue14-exp74-fused-v3.result.json against
+issue14-exp74-fused-v2.result.json).
 
 Measured on the H200 (exp74-fused against exp74-full in one worker): no gain. 72 launches a
 token fewer, and the two fused GEMVs took about as much longer as the two launches took
-(GPU-busy 1.398 against 1.386 ms a token): at this point the step's time is the GEMVs' own.
+(GPU-busy 1.398 against 1.386 ms a token): the step's time is the GEMVs' own.
 
 With PDL (`preload`), each program loads its first weight chunk before gdc_wait(): weights
 never change, so that load overlaps the previous kernel's tail; x is read only after the wait

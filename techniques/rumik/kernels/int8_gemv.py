@@ -39,7 +39,7 @@ INT8 halves the bytes of bf16, so at the same bandwidth the GEMV takes half the 
 Measured on the H200 (M=1, CUDA-graph replay, weights from HBM; copy ceiling 4.27 TB/s):
 25088x2048 18.1 us = 2.85 TB/s (cuBLAS bf16 30.5 us); 2048x13056 11.7 us = 2.30 TB/s (bf16 17.3);
 the 36-layer packed stack 1.01 ms = 2.79 TB/s, 65% of copy (bf16 1.66 ms), with PDL. The 80%
-goal is not reached yet. M=2..4 (tensor-core path) is slower than bf16 for N=2048: M=1 only.
+goal is not reached. M=2..4 (tensor-core path) is slower than bf16 for N=2048: M=1 only.
 
 `GemvConfig(tma=True)` (M=1) runs int8_gemv_tma.py instead: weight tiles fetched by the
 Hopper TMA into shared memory, `num_stages - 1` in flight ahead of the FMAs.
@@ -90,8 +90,9 @@ class GemvConfig:
     prefetch: bool = False  # load chunk i+1 before the FMAs of chunk i
     magic: bool = False  # int8 -> fp32 by float-bit arithmetic instead of I2F
     # Two changes to the pointer kernel's schedule; with PDL at 25088 x 2048: 17.24 us plain,
-    # 16.34 reduce_each, 16.13 both (benchmarks/h200/issue14-s12-gemv-sweep-pdl.json; not
-    # yet timed inside a decode step):
+    # 16.34 reduce_each, 16.13 both (benchmarks/h200/issue14-gemv-sweep-pdl.json). Inside a
+    # decode step both together measured 1.02x [1.01, 1.04] (stack exp74-full-pdl-tuned:
+    # benchmarks/h200/issue14-gemv-tables-ab.show.json), so neither is in H200_CONFIGS:
     preload: bool = False  # the first weight chunk in flight before the PDL wait
     reduce_each: bool = False  # a [BLOCK_N] accumulator: each chunk reduced at once, so the
     # registers of a [BLOCK_N, BLOCK_K] fp32 tile are free for wider chunks / more programs
@@ -135,10 +136,11 @@ GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 
 # Winners measured on the H200 (M=1), keyed on (N, K). See benchmarks/kernels_bench.py --tune.
 H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    # (25088, 2048), (2048, 13056): benchmarks/h200/issue14-s7-gemv-sweep{,2}.json
-    # (2026-12-02, copy ceiling 4.23 TB/s). The first: 17.5 / 18.6 us in two sweeps, against
-    # 19.6 / 17.8 for the 2026-11-29 winner (16, 256, 4): within run-to-run spread. The
-    # second: 10.8 / 10.9 us (58% of copy) against 11.5 / 11.6.
+    # (25088, 2048), (2048, 13056): benchmarks/h200/issue14-gemv-sweep.json and
+    # issue14-gemv-sweep-refined.json (copy ceiling 4.23 TB/s). The first: 17.5 / 18.6 us in
+    # the two sweeps, against 19.6 / 17.8 for (16, 256, 4), the winner measured 2026-11-29:
+    # within run-to-run spread. The second: 10.8 / 10.9 us (58% of copy) against 11.5 / 11.6
+    # for (8, 1024, 4, prefetch).
     (25088, 2048): GemvConfig(16, 512, 8, magic=True),
     (2048, 13056): GemvConfig(8, 2048, 8, magic=True),
     # measured 2026-11-29, M=1, graph replay over L2-busting copies; copy ceiling 4.27 TB/s
@@ -147,20 +149,22 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (2048, 11008): GemvConfig(8, 1024, 4, prefetch=True, magic=True),  # 10.2 us, 2.21 TB/s
 }
 
-# Candidate tables a stack can choose (int8_projections' `gemv_configs`), each a set of
-# measured winners that replace the shipped ones above for their shapes until an A/B inside a
-# decode step says which table ships.
+# Tables a stack can choose (int8_projections' `gemv_configs`), each a set of measured winners
+# that replace the shipped ones above for their shapes. A table ships as H200_CONFIGS only when
+# an A/B inside a decode step says it pays.
 GEMV_TABLES: dict[str, dict[tuple[int, int], GemvConfig]] = {
     "shipped": {},
-    # benchmarks/h200/issue14-s12-gemv-sweep-pdl.json (2026-12-02, with PDL, copy ceiling
-    # 4.17 TB/s): 16.34 us against the shipped 17.24 (reduce_each); the output shape's winner
-    # is the shipped one (reduce_each costs it 10.50 -> 12.66 us)
-    "s12": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
+    # The winners of the sweep with PDL, back-to-back launches overlapping as in a decode step
+    # (benchmarks/h200/issue14-gemv-sweep-pdl.json, copy ceiling 4.17 TB/s): 16.34 us against
+    # the shipped 17.24 at the input shape (reduce_each); the output shape's winner is the
+    # shipped config (reduce_each costs it 10.50 -> 12.66 us). In a decode step, with preload:
+    # 1.02x [1.01, 1.04] over shipped (benchmarks/h200/issue14-gemv-tables-ab.show.json).
+    "pdl_tuned": {(25088, 2048): GemvConfig(16, 512, 8, magic=True, reduce_each=True)},
 }
 
 # Candidates for the TMA kernel at Rumik's two decode shapes, checked by the GPU and compile
 # tests and timed by `benchmarks/gemv_sweep.py --tma`: every one slower than the pointer
-# kernel (benchmarks/h200/issue14-s18-gemv-sweep-tma.json), so none is in a table.
+# kernel (benchmarks/h200/issue14-gemv-sweep-tma.json), so none is in a table.
 TMA_CONFIGS: dict[tuple[int, int], tuple[GemvConfig, ...]] = {
     (25088, 2048): tuple(
         GemvConfig(bn, bk, 8 if bn * bk >= 8192 else 4, num_stages=st, magic=True, tma=True)

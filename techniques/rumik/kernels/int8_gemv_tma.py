@@ -4,7 +4,7 @@ Same contract and result as int8_gemv's M=1 kernel (`GemvConfig(tma=True)` selec
 int8_linear dispatches). Why a second kernel: the pointer kernel keeps a weight chunk in
 flight per program in registers (one, or two with `prefetch`), and the best configs of its
 sweeps reach 58-72% of the H200's copy bandwidth (benchmarks/h200/kernels.json,
-issue14-s7-gemv-sweep.json, issue14-s7-gemv-sweep2.json, issue14-s12-gemv-sweep-pdl.json).
+issue14-gemv-sweep.json, issue14-gemv-sweep-refined.json, issue14-gemv-sweep-pdl.json).
 Here each [BLOCK_N, BLOCK_K] tile is one bulk copy into shared memory issued by the TMA, and
 Triton's pipeliner keeps `num_stages - 1` tiles in flight ahead of the FMAs, so the bytes in
 flight per program grow with the stages instead of the registers.
