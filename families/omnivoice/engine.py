@@ -25,23 +25,32 @@ import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from functools import cache
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omnivoice.models.omnivoice import (
-    GenerationTask,
-    OmniVoiceGenerationConfig,
-    _get_time_steps,
-    _gumbel_sample,
-)
 
 from orchestrate.families.omnivoice.model import OmniVoiceModel
 
+if TYPE_CHECKING:
+    from omnivoice.models.omnivoice import GenerationTask, OmniVoiceGenerationConfig
+
+# The omnivoice package (and the transformers modelling code it pulls in: about 5 s) is
+# imported when an engine first needs it, not when the plugin catalogue lists this family:
+# every CLI command and worker loads the catalogue, most never build an OmniVoice model.
+
 SLOTS = ("forward", "schedule", "guidance", "unmask", "loop", "codec")
 LOOP_SLOTS = ("forward", "schedule", "guidance", "unmask")  # read only by slot_loop
-KNOBS = tuple(f.name for f in fields(OmniVoiceGenerationConfig))
+
+
+@cache
+def knob_names() -> tuple[str, ...]:
+    """The package's decoding knobs: OmniVoiceGenerationConfig's fields."""
+    from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
+
+    return tuple(f.name for f in fields(OmniVoiceGenerationConfig))
 
 
 class KnobError(ValueError):
@@ -50,9 +59,12 @@ class KnobError(ValueError):
 
 def generation_config(knobs: dict[str, Any]) -> OmniVoiceGenerationConfig:
     """The package's config from `knobs`, refusing what its from_dict would silently drop."""
-    unknown = sorted(set(knobs) - set(KNOBS))
+    from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
+
+    valid = knob_names()
+    unknown = sorted(set(knobs) - set(valid))
     if unknown:
-        raise KnobError(f"unknown generation knob(s) {unknown}; valid: {', '.join(KNOBS)}")
+        raise KnobError(f"unknown generation knob(s) {unknown}; valid: {', '.join(valid)}")
     cfg = OmniVoiceGenerationConfig(**knobs)
     if not isinstance(cfg.num_step, int) or cfg.num_step < 1:
         raise KnobError(f"num_step must be an integer >= 1, got {cfg.num_step!r}")
@@ -74,7 +86,7 @@ class Forward(Protocol):
         """[R, C, S] ids, [R, S] audio mask, [R, 1, S, S] bool mask -> [R, C, S, V] logits."""
 
 
-Schedule = Callable[[list[int], OmniVoiceGenerationConfig, int], list[list[int]]]
+Schedule = Callable[[list[int], "OmniVoiceGenerationConfig", int], list[list[int]]]
 
 
 class Guidance(Protocol):
@@ -100,7 +112,7 @@ class Unmask(Protocol):
         """Commit positions of `tokens` [1, C, T] (in place) from guided `log_probs`."""
 
 
-Loop = Callable[["Engine", GenerationTask, OmniVoiceGenerationConfig], list[torch.Tensor]]
+Loop = Callable[["Engine", "GenerationTask", "OmniVoiceGenerationConfig"], list[torch.Tensor]]
 
 
 class SlotReadingLoop(abc.ABC):
@@ -117,7 +129,7 @@ class SlotReadingLoop(abc.ABC):
 
 # (engine, per-item codes [C, T] or long-form chunk lists, per-item reference RMS, cfg)
 Codec = Callable[
-    ["Engine", list[Any], list[float | None], OmniVoiceGenerationConfig], list[np.ndarray]
+    ["Engine", list[Any], list[float | None], "OmniVoiceGenerationConfig"], list[np.ndarray]
 ]
 
 
@@ -137,6 +149,8 @@ def package_schedule(
     target_lens: list[int], cfg: OmniVoiceGenerationConfig, codebooks: int
 ) -> list[list[int]]:
     """Positions unmasked per step, per item: _generate_iterative's schedule, verbatim."""
+    from omnivoice.models.omnivoice import _get_time_steps
+
     timesteps = _get_time_steps(0.0, 1.0, cfg.num_step, cfg.t_shift).tolist()
     schedules = []
     for t_len in target_lens:
@@ -173,7 +187,7 @@ class StockGuidance:
 
 def predict(log_probs: torch.Tensor, cfg: OmniVoiceGenerationConfig, mask_id: int):
     """Tokens and confidences from guided log-probs: _predict_tokens_with_scoring's tail."""
-    from omnivoice.models.omnivoice import _filter_top_k
+    from omnivoice.models.omnivoice import _filter_top_k, _gumbel_sample
 
     log_probs[..., mask_id] = -float("inf")
     if cfg.class_temperature > 0.0:
@@ -188,6 +202,8 @@ def position_scores(
     scores: torch.Tensor, tokens: torch.Tensor, cfg: OmniVoiceGenerationConfig, mask_id: int
 ) -> torch.Tensor:
     """Layer penalty, Gumbel position noise (a seeded draw), committed positions at -inf."""
+    from omnivoice.models.omnivoice import _gumbel_sample
+
     layer_ids = torch.arange(tokens.shape[1], device=scores.device).view(1, -1, 1)
     scores = scores - layer_ids * cfg.layer_penalty_factor
     if cfg.position_temperature > 0.0:

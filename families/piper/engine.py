@@ -24,13 +24,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from orchestrate.families.piper import graph as g
 from orchestrate.families.piper.model import PiperModel
+
+if TYPE_CHECKING:  # onnx (1.5 s to import) loads when a graph is built, not to list techniques
+    import onnx
 
 SLOTS = ("graph", "session", "batch", "knob.*")
 KNOBS = ("length_scale", "noise_scale", "noise_w")
@@ -38,7 +41,7 @@ KNOBS = ("length_scale", "noise_scale", "noise_w")
 # length scale); the voices measured here use 2-4. Past it the graph repeats the noise.
 FRAMES_PER_ID = 8
 
-GraphSlot = Callable[[PiperModel], onnx.ModelProto]
+GraphSlot = Callable[[PiperModel], "onnx.ModelProto"]
 SessionSlot = Callable[[PiperModel, bytes], ort.InferenceSession]
 
 

@@ -19,10 +19,12 @@ can be compared with stock's sample by sample on stock's timing (fidelity.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+
+if TYPE_CHECKING:  # onnx (1.5 s to import) loads when a graph is built, not to list techniques
+    import onnx
 
 NOISE_OP = "RandomNormalLike"
 DURATIONS = "durations"
@@ -52,7 +54,9 @@ def random_ops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def probe_noise(model: onnx.ModelProto, ids: list[int]) -> list[NoiseInput]:
     """Shapes of the random ops' draws, read off one run of the original graph on `ids`."""
+    import onnx
     import onnxruntime as ort
+    from onnx import helper
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
@@ -83,6 +87,9 @@ def probe_noise(model: onnx.ModelProto, ids: list[int]) -> list[NoiseInput]:
 
 def seedable(model: onnx.ModelProto, noises: list[NoiseInput]) -> onnx.ModelProto:
     """A copy of `model` whose random ops read host noise, with `durations` as an output."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -128,6 +135,9 @@ def teacher_forced(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of a `seedable` graph that takes its durations from the input `forced_durations`
     ([batch, 1, phoneme ids], frames) instead of the duration predictor; `durations` still
     reports what the predictor said."""
+    import onnx
+    from onnx import TensorProto, helper
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
     ceil = _ceil_output(out)

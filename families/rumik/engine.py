@@ -26,11 +26,11 @@ import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import Cohere2ForCausalLM, DynamicCache
 
 from orchestrate.api.config import SamplingConfig
 from orchestrate.api.device import sync
@@ -40,12 +40,17 @@ SLOTS = (
     "decoder", "decoder_class", "projections", "attention", "head", "sampler", "loop", "launch",
 )  # fmt: skip
 
-# transformers renamed the forward's cache argument (past_key_values -> cache) during 5.x.
-CACHE_ARG = (
-    "cache"
-    if "cache" in inspect.signature(Cohere2ForCausalLM.forward).parameters
-    else "past_key_values"
-)
+
+
+@cache
+def cache_arg() -> str:
+    """The forward's cache argument: transformers renamed it (past_key_values -> cache)
+    during 5.x. Read when a decoder first runs: importing the modelling code takes seconds
+    that a command listing or validating stacks should not pay."""
+    from transformers import Cohere2ForCausalLM
+
+    forward = inspect.signature(Cohere2ForCausalLM.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
 
 
 # ------------------------------------------------------------------- slot contracts
@@ -190,6 +195,8 @@ class StockDecoder:
     uses_projections = False
 
     def __init__(self, engine: Engine, max_seq_len: int):
+        from transformers import DynamicCache
+
         self.lm = engine.model.lm
         self.cache = DynamicCache(config=self.lm.config)
 
@@ -200,7 +207,7 @@ class StockDecoder:
             input_ids=prompt_ids,
             use_cache=True,
             output_hidden_states=True,
-            **{CACHE_ARG: self.cache},
+            **{cache_arg(): self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 
@@ -209,7 +216,7 @@ class StockDecoder:
             input_ids=token,
             use_cache=True,
             output_hidden_states=True,
-            **{CACHE_ARG: self.cache},
+            **{cache_arg(): self.cache},
         )
         return out.hidden_states[-1][:, -1, :]
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import Cohere2Config, Cohere2ForCausalLM, MimiConfig, MimiModel
 
 from orchestrate.api.config import ModelSpec
 from orchestrate.api.family import configs_hash, seed_codebooks
 from orchestrate.families.rumik.presets import PRESETS, RumikPreset
 from orchestrate.families.rumik.vocab import AudioVocab, ByteTokenizer
+
+if TYPE_CHECKING:  # transformers (2 s, its modelling code 5 s more) loads when a model is built
+    from transformers import Cohere2Config, Cohere2ForCausalLM, MimiModel
 
 LAYOUT_FILE = "rumik_layout.json"  # our marker: vocab layout + which tokenizer to use
 STOP_HEAD_PREFIX = "stop_predictor."
@@ -90,6 +92,8 @@ def build_random(preset: RumikPreset, spec: ModelSpec) -> RumikModel:
 
     Initialising on the device (not on the CPU first) keeps a 3.38B build to seconds.
     """
+    from transformers import Cohere2ForCausalLM, MimiConfig, MimiModel
+
     torch.manual_seed(spec.init_seed)
     device = torch.device(spec.device)
     dtype = _dtype(spec.dtype)
@@ -112,6 +116,8 @@ def build_random(preset: RumikPreset, spec: ModelSpec) -> RumikModel:
 
 
 def _lm_config(preset: RumikPreset) -> Cohere2Config:
+    from transformers import Cohere2Config
+
     cfg = Cohere2Config(**preset.lm)
     cfg._attn_implementation = "sdpa"
     return cfg
@@ -159,6 +165,7 @@ def _resolve_folder(weights: str, revision: str | None) -> Path:
 
 def load_pretrained(weights: str, spec: ModelSpec) -> RumikModel:
     from safetensors import safe_open
+    from transformers import Cohere2ForCausalLM
 
     folder = _resolve_folder(weights, spec.revision)
     if not (folder / "config.json").exists():
@@ -228,6 +235,8 @@ def _read_layout(folder: Path) -> dict[str, Any]:
 
 
 def _load_codec(folder: Path) -> MimiModel:
+    from transformers import MimiModel
+
     if (folder / "mimi" / "config.json").exists():
         return MimiModel.from_pretrained(folder / "mimi", local_files_only=True)
     try:  # upstream ships Mimi separately: kyutai/mimi, from the HF cache only

@@ -22,10 +22,9 @@ loops and their graph pool, so each engine keeps its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omnivoice.models.omnivoice import GenerationTask, OmniVoiceGenerationConfig
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.omnivoice.engine import (
@@ -37,6 +36,9 @@ from orchestrate.families.omnivoice.engine import (
     position_scores,
     predict,
 )
+
+if TYPE_CHECKING:  # the package is imported when an engine runs (families/omnivoice/engine.py)
+    from omnivoice.models.omnivoice import GenerationTask, OmniVoiceGenerationConfig
 
 
 @dataclass(frozen=True)

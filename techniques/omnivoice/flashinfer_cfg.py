@@ -33,7 +33,6 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from orchestrate.api.technique import Refused, Technique, TechniqueParams, UnsupportedConfig
 from orchestrate.techniques.omnivoice.use_cache_off import wrapped_too_early
@@ -163,8 +162,10 @@ def torch_attend(layout: Layout, q, k, v, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-@torch.compiler.disable  # FlashInfer's kernels are not torch ops: run eagerly under dynamo
 def flashinfer_attend(layout: Layout, q, k, v, scale: float) -> torch.Tensor:
+    """FlashInfer's ragged prefill. Its kernels are not torch ops: packed_forward runs it
+    under torch.compiler.disable, applied there rather than here because the decorator
+    imports dynamo (about 2 s) and every command loads this module to list techniques."""
     return layout.wrapper.run(q, k, v)
 
 
@@ -200,6 +201,8 @@ class FlashInferPlanner:
 
 def attention(attn: Any, x: torch.Tensor, layout: Layout, attend: Any) -> torch.Tensor:
     """Qwen3Attention.forward on packed tokens [N, hidden], same modules and order."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     n, d = x.shape[0], attn.head_dim
     q = attn.q_norm(attn.q_proj(x).view(n, -1, d))
     k = attn.k_norm(attn.k_proj(x).view(n, -1, d))
@@ -216,7 +219,8 @@ def packed_forward(ov: Any, backend: str = "torch", kernel: str = "auto"):
     layers = llm.layers[: llm.config.num_hidden_layers]
     cache = LayoutCache()
     planner = FlashInferPlanner(ov.device, kernel) if backend == "flashinfer" else None
-    attend = flashinfer_attend if backend == "flashinfer" else torch_attend
+    # eager under dynamo: FlashInfer's kernels are not torch ops
+    attend = torch.compiler.disable(flashinfer_attend) if backend == "flashinfer" else torch_attend
 
     dtype = llm.embed_tokens.weight.dtype  # the embeddings' dtype, which RoPE's cos/sin take
 

@@ -21,14 +21,16 @@ import hashlib
 import json
 import logging
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import onnx
 from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.piper.engine import Engine
 from orchestrate.families.piper.model import PiperModel, cache_dir
+
+if TYPE_CHECKING:  # onnx (1.5 s to import) loads when a graph is built, not to list techniques
+    import onnx
 
 MODULES = ("enc_p", "dp", "flow", "dec")  # VITS: text encoder, durations, flow, HiFi-GAN
 BUILD_VERSION = 1  # bump when the file written for the same params changes
@@ -51,6 +53,7 @@ class Int8Graph:
         self.params = params
 
     def __call__(self, model: PiperModel) -> onnx.ModelProto:
+        import onnx
         import onnxruntime
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -34,15 +34,17 @@ import hashlib
 import json
 import logging
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import onnx
 from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.piper.engine import Engine, stock_engine
 from orchestrate.families.piper.model import PiperModel, cache_dir
+
+if TYPE_CHECKING:  # onnx (1.5 s to import) loads when a graph is built, not to list techniques
+    import onnx
 
 BUILD_VERSION = 2  # bump when the file written for the same params changes
 CALIBRATION = (
@@ -103,6 +105,7 @@ class Int8StaticGraph:
         self.params = params
 
     def __call__(self, model: PiperModel) -> onnx.ModelProto:
+        import onnx
         import onnxruntime
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 

@@ -25,9 +25,9 @@ from transformers import LogitsProcessorList, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from orchestrate.api.config import SamplingConfig
-from orchestrate.families.rumik.engine import CACHE_ARG
+from orchestrate.families.rumik.engine import cache_arg
 from orchestrate.families.rumik.model import RumikModel
-from orchestrate.techniques.rumik.hf_generate import AudioOnly
+from orchestrate.techniques.rumik.hf_loop import AudioOnly
 
 
 class _FrameClock(BaseStreamer):
@@ -97,7 +97,7 @@ class StaticBatchBaseline:
             eos_token_id=vocab.end_id,
             pad_token_id=vocab.end_id,
             streamer=streamer,
-            **{CACHE_ARG: self.cache},
+            **{cache_arg(): self.cache},
         )
 
     @torch.inference_mode()
