@@ -51,6 +51,7 @@ CPU_SLOT = "orchestrate_cpu_slot"  # a cluster's CPU slots: ray start --resource
 RESTART_WAIT_S = 120.0  # an actor not back from a restart within this is given up
 PROBE_TIMEOUT_S = 300.0  # an actor that cannot be placed or started within this is refused
 HEAD_TIMEOUT_S = 3.0  # a head that takes no TCP connection within this is lost
+HEAD_GRACE_S = 8.0  # after an actor's death, how long the head is watched before blaming the job
 
 
 class RayUnavailable(RuntimeError):
@@ -224,7 +225,9 @@ class RayLaunch:
                 errors.NodeDiedError, errors.OutOfMemoryError) as exc:  # fmt: skip
             if self.stopping.is_set():
                 raise Interrupted(f"the pool is stopping ({self.slot})") from exc
-            check_head(self.ray)  # a lost head fails every actor: not this job's attempt
+            # A lost head fails every actor: not this job's attempt. `ray stop` ends the head
+            # node's raylet (and so the actor) a few seconds before its GCS: wait that out.
+            check_head(self.ray, grace_s=HEAD_GRACE_S)
             raise WorkerLost(f"Ray actor {self.slot} died mid-job: {first_line(exc)}") from exc
         except errors.RayTaskError as exc:  # the actor's code raised: the job failed there
             cause = getattr(exc, "cause", None) or exc
@@ -334,20 +337,25 @@ def _start_members(
     return actors, members
 
 
-def check_head(ray: Any) -> None:
-    """Raise ClusterLost when the cluster's head (its GCS) refuses a TCP connection. Asked
-    when an actor stops answering: without it a lost head would look like a dead actor (an
-    attempt spent per job) until Ray's own client ends this process after 60 s with a
-    C++ log line instead of ours."""
+def check_head(ray: Any, grace_s: float = 0.0) -> None:
+    """Raise ClusterLost when the cluster's head (its GCS) refuses a TCP connection, now or
+    within `grace_s`. Asked when an actor stops answering: without it a lost head would look
+    like a dead actor (an attempt spent per job) until Ray's own client ends this process
+    after 60 s with a C++ log line instead of ours."""
     address = ray.get_runtime_context().gcs_address
     host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=HEAD_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ClusterLost(
-            f"lost the Ray cluster: its head at {address} does not answer "
-            f"({exc.strerror or exc}); running jobs went back to the queue"
-        ) from None
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=HEAD_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ClusterLost(
+                f"lost the Ray cluster: its head at {address} does not answer "
+                f"({exc.strerror or exc}); running jobs went back to the queue"
+            ) from None
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.5)
 
 
 def quiet_cluster_notices(ray: Any) -> None:
