@@ -185,6 +185,7 @@ def identity(stack: StackSpec) -> str:
 class ParamsProposer(Proposer):
     name = "params"
     summary = "Optuna (TPE; NSGA-II for speed vs quality) over technique params and knobs"
+    reads_headlines = True  # every trial's objective is its headline, dropped ones too
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)

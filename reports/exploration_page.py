@@ -207,7 +207,7 @@ def _ladder_figure(ax: Any, view: ExplorationView) -> None:
 
 def view_from_store(store: Store, exploration: str, baseline: str) -> ExplorationView:
     """The page's data for one exploration. `baseline`: the family's stock stack name,
-    which every candidate job holds and the listening pack compares the champion with."""
+    which every fresh and gate job holds and the listening pack compares the champion with."""
     row = store.get_exploration(exploration)
     cands = row["candidates"]
     accepted = {c["stack_hash"]: c for c in cands if c["decision"] == "accept"}

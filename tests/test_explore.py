@@ -113,13 +113,16 @@ def test_a_budget_of_zero_or_nonsense_is_refused(text: str) -> None:
 
 def test_the_next_job_is_estimated_from_its_stacks(store: Store, tmp_path: Path) -> None:
     """As on the H200 (c99671151348): two jobs of four stacks took 4.49 of 8.5 minutes; a
-    gate (two jobs of three stacks) fits, a dev job of ten does not."""
+    gate (two jobs of stock, the champion and the candidate) fits, a dev job of nine (the
+    champion and eight candidates: no stock once stock is not the champion) does not."""
     ex = explorer(store, tmp_path, [Ladder()], budget="8.5m")
     ex.champion = StackSpec(name="exp74ish", techniques=[TechniqueRef(name="static_kv_cache")])
     ex.elapsed0, ex.t0, ex.jobs = 269.4, time.monotonic(), 2
     ex.stack_seconds = [134.7 / 4] * 2
-    assert ex._spent(2, [None]) is None  # 269 + 2 x 101 s < 510 s
-    why = ex._spent(1, [None] * 8)
+    assert ex._spent(2, [None], "gate") is None  # 269 + 2 x 101 s < 510 s
+    why = ex._spent(1, [None] * 8, "dev")
+    assert why is not None and "a job of 9 stacks takes about" in why
+    why = ex._spent(1, [None] * 8, "fresh")
     assert why is not None and "a job of 10 stacks takes about" in why
 
 
@@ -129,17 +132,24 @@ def test_a_job_is_estimated_from_what_its_stacks_cost_a_clip(store: Store, tmp_p
     champion's), times its clips and warm-ups, plus the measured cost per stack besides."""
     ex = explorer(store, tmp_path, [Ladder()], budget="9m")
     ex.champion = StackSpec(name="loop", techniques=[TechniqueRef(name="static_kv_cache")])
-    assert ex._job_seconds([None]) is None  # nothing measured yet: the per-stack mean
-    ex.clip_s, ex.extra_s = {"stock": 7.0, "loop": 1.0, "slow": 6.0}, [8.0]
+    dev = lambda names: ex._job_names(names, "dev")  # noqa: E731
+    fresh = lambda names: ex._job_names(names, "fresh")  # noqa: E731
+    assert dev([None]) == ["loop", None] and fresh([None]) == ["stock", "loop", None]
+    assert ex._job_seconds(dev([None])) is None  # nothing measured yet: the per-stack mean
+    ex.clip_s, ex.extra_s = {"loop": 1.0, "slow": 6.0}, [8.0]
     clips = len(WORKLOAD.prompts) * len(WORKLOAD.seeds) + WORKLOAD.warmups  # 8
-    fast = ex._job_seconds([None] * 4)
+    assert ex._job_seconds(dev([None] * 4)) == pytest.approx(5 * (8 + clips * 1))
+    assert ex._job_seconds(fresh([None])) is None  # stock not timed yet
+    ex.clip_s["stock"] = 7.0
+    fast = ex._job_seconds(fresh([None] * 4))
     assert fast == pytest.approx((8 + clips * 7) + 5 * (8 + clips * 1))
-    assert ex._job_seconds(["slow", None, None, None]) == pytest.approx(fast + clips * 5)
+    assert ex._job_seconds(fresh(["slow", None, None, None])) == pytest.approx(fast + clips * 5)
     ex.stack_seconds = [30.0]  # the per-stack mean would say 6 x 30 s = 180 s
     ex.elapsed0, ex.t0 = 540 - 150, time.monotonic()
-    assert ex._spent(1, [None] * 4) is None  # 144 s fits in the 150 s left
+    assert ex._spent(1, [None] * 4, "fresh") is None  # 144 s fits in the 150 s left
+    assert ex._spent(1, [None] * 4, "dev") is None  # 80 s
     ex.clip_s = {}  # nothing measured per clip: the per-stack mean, 180 s, does not fit
-    assert ex._spent(1, [None] * 4) is not None
+    assert ex._spent(1, [None] * 4, "fresh") is not None
 
 
 def test_a_budget_stops_before_a_job_that_would_overrun_it() -> None:
@@ -563,13 +573,17 @@ def test_the_ladder_climbs_through_remeasure_and_gate_and_records_every_decision
     # one dev job per round, its fresh job after it; fresh seeds never the workload's
     names = [j.workload.name for j in ex.s.submitter.jobs]
     assert names == ["xq", "xq@fresh", "xq"]
-    # round 2: stock, the champion and the two heads (baseline B stands alone: never on top)
-    assert [len(j.stacks) for j in ex.s.submitter.jobs] == [5, 3, 4]
+    # round 2: the champion and the two heads (baseline B stands alone: never on top), and
+    # no stock: a dev candidate is judged against the champion; stock's time goes to the
+    # jobs whose answer is against it (the fresh remeasure and the gate)
+    assert [len(j.stacks) for j in ex.s.submitter.jobs] == [5, 3, 3]
     fresh = [j for j in ex.s.submitter.jobs if j.workload.name == "xq@fresh"]
     assert all(not set(j.workload.seeds) & {42, 43} for j in fresh)
-    # every job holds stock, then the champion (once there is one), then the candidates
-    assert all(j.stacks[0].name == "stock" for j in ex.s.submitter.jobs)
-    assert ex.s.submitter.jobs[2].stacks[1].name == packed["stack_name"]
+    assert all(j.stacks[0].name == "stock" for j in ex.s.submitter.jobs[:2])
+    assert [s.name for s in ex.s.submitter.jobs[2].stacks][:1] == [packed["stack_name"]]
+    # round 2's candidates have their speedup over the champion, and no headline (no stock)
+    heads = [c for c in row["candidates"] if c["seq"] > 4 and c["steps"][0]["phase"] == "dev"]
+    assert heads and all(c["headline"] is None and c["vs_parent"] for c in heads)
 
 
 class TwoSlots(FakeSubmitter):
@@ -586,7 +600,7 @@ class TwoSlots(FakeSubmitter):
         return super().submit(subs)
 
 
-def test_a_dev_round_on_two_slots_runs_as_two_jobs_at_once_judged_as_on_one(
+def test_a_round_on_two_slots_runs_as_two_jobs_at_once_judged_as_on_one(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate())
@@ -598,9 +612,15 @@ def test_a_dev_round_on_two_slots_runs_as_two_jobs_at_once_judged_as_on_one(
     # round 1's four candidates: two jobs of stock + two candidates, handed over together
     assert sub.batches[0] == 2
     assert [len(j.stacks) for j in sub.jobs[:2]] == [3, 3]
-    assert all(j.stacks[0].name == "stock" for j in sub.jobs)
+    champions = {c["stack_name"] for c in store.get_exploration(two.id)["candidates"]}
+    assert all(j.stacks[0].name in {"stock"} | champions for j in sub.jobs)
     split = {n for j in sub.jobs[:2] for n in (s.name for s in j.stacks[1:])}
     assert len(split) == 4  # every candidate in exactly one of the two jobs
+    # its fresh remeasures too: two jobs at once, each with stock, on seeds of its own
+    fresh = [j for j in sub.jobs if j.workload.name.endswith("@fresh")]
+    assert sub.batches[1] == 2 and fresh[:2] == sub.jobs[2:4]
+    assert all(j.stacks[0].name == "stock" for j in fresh)
+    assert fresh[0].workload.seeds != fresh[1].workload.seeds
     # the same decisions as on one slot (the fake measures each stack alike in any job)
     decided = lambda ex: [  # noqa: E731
         (c["change"], c["decision"]) for c in store.get_exploration(ex.id)["candidates"]

@@ -99,9 +99,10 @@ class Tried:
     proposer: str
     decision: Decision
     reason: str
-    headline: float | None = None  # paired speedup against the exploration's root (stock)
+    headline: float | None = None  # paired speedup against stock (None: no job of it had stock)
     headline_lo: float | None = None
     headline_hi: float | None = None
+    vs_parent: float | None = None  # paired speedup against its parent, its latest job
     quality: dict[str, float] = field(default_factory=dict)  # metric -> value, when scored
 
     @property
@@ -168,6 +169,7 @@ class ExplorationState:
                     "headline": t.headline,
                     "headline_lo": t.headline_lo,
                     "headline_hi": t.headline_hi,
+                    "vs_parent": t.vs_parent,
                     "quality": t.quality,
                 }
                 for t in self.tried
@@ -183,6 +185,10 @@ class ProposerError(RuntimeError):
 class Proposer(abc.ABC):
     name: ClassVar[str]
     summary: ClassVar[str] = ""
+    # True: it needs every candidate's headline (paired against stock), so the loop times
+    # stock in development jobs too; otherwise a candidate dropped there has only its
+    # speedup over its parent (`Tried.vs_parent`), and stock is timed from the remeasure on.
+    reads_headlines: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -3,7 +3,8 @@ result, the protocol and what the guards found, so every rule can be tested on f
 records (tests/test_explore.py) and reads in one place.
 
 A candidate goes dev -> fresh -> gate, and is judged after each:
-- dev: measured in one job with stock and its parent (the champion). Faster than the parent
+- dev: measured in one job with its parent (the champion; stock only while stock is the
+  champion or a proposer reads headlines: explore.jobs). Faster than the parent
   beyond the protocol's noise bar (the paired CI's lower bound > speed.min_speedup), or
   measured in a noisy job whose CI still reaches above the bar (noise settles nothing either
   way), and its quality path holds: `remeasure`; a crash: `error`; a guard: `invalid`; else
@@ -68,7 +69,7 @@ def judge_measured(
     phase: str,
     cand: StackResult,
     parent: StackResult,
-    stock: StackResult,
+    reference: StackResult,
     protocol: Protocol,
     *,
     invalid: list[str],
@@ -78,7 +79,9 @@ def judge_measured(
     retry_noise: bool = False,
 ) -> Step:
     """The decision after a dev or fresh job: error, invalid, drop, remeasure or gate.
-    `retry_noise`: a noisy fresh job may send the candidate to one more (its first did)."""
+    `reference`: what the fidelity thresholds compare against (stock; the champion in a dev
+    job without stock). `retry_noise`: a noisy fresh job may send the candidate to one
+    more (its first did)."""
     if cand.status in ("failed", "refused"):
         return Step(phase, "error", f"{cand.status}: {cand.error}")
     if cand.status == "partial":
@@ -100,7 +103,7 @@ def judge_measured(
     if not check.passed and not maybe:
         why = check.reason() + ablation_note(change, check) + (f"; {noise}" if noisy else "")
         return Step(phase, "drop", why, decide.speed_cause(check), numbers=numbers)
-    path, why_not = quality_path(cand, stock, protocol, random_weights)
+    path, why_not = quality_path(cand, reference, protocol, random_weights)
     if why_not:
         return Step(phase, "drop", f"{check.reason()}; {why_not}", "gate", path, numbers)
     nxt: Decision = "remeasure" if phase == "dev" or noisy else "gate"
@@ -134,7 +137,7 @@ def ablation_note(change: str, check: decide.SpeedCheck) -> str:
 
 
 def quality_path(
-    cand: StackResult, stock: StackResult, protocol: Protocol, random_weights: bool
+    cand: StackResult, reference: StackResult, protocol: Protocol, random_weights: bool
 ) -> tuple[str, str | None]:
     """(which path judges the candidate's quality, why it fails there or None)."""
     unseen = _unseen(cand.fidelity)
@@ -162,7 +165,8 @@ def quality_path(
     if cand.fidelity is None:
         return FIDELITY, "approximate on random weights and no fidelity was measured"
     spec = protocol.quality.model_copy(update={"gates": gates})
-    checks = decide.check_gates(_quality(stock.fidelity, spec), _quality(cand.fidelity, spec), spec)
+    before = _quality(reference.fidelity, spec)
+    checks = decide.check_gates(before, _quality(cand.fidelity, spec), spec)
     failed = [f"{c.metric}: {c.why} (gate {c.bound})" for c in checks if c.passed is False]
     if failed:
         return FIDELITY, "fidelity thresholds not held: " + "; ".join(failed)

@@ -5,10 +5,12 @@ job, from what the result records carry:
 - faster than the physical floor: time per token (or per forward) below what moving the
   bytes it must read takes at the bandwidth the worker measured (`fraction_of_floor`);
 - audio that does not depend on its prompt or its seed (a cache, a constant output): judged
-  against stock in the same job, so a family that is deterministic by design (no sampling
-  noise) is not accused of it;
+  against a reference in the same job (stock; in a dev job without stock, the champion,
+  which passed these guards against stock before it was crowned), so a family that is
+  deterministic by design (no sampling noise) is not accused of it;
 - an exactness claim the measurement contradicts (declared exact, fidelity outside
-  tolerance), and recordings the worker found broken (NaN, empty) where stock's were not;
+  tolerance), and recordings the worker found broken (NaN, empty) where the reference's
+  were not;
 - whatever the worker itself flagged (`StackResult.invalid`: running.guards.mark).
 """
 
@@ -34,12 +36,14 @@ FLOOR_METRICS = {
 
 def invalid_reasons(
     cand: StackResult,
-    stock: StackResult,
+    reference: StackResult,
     comparison: dict[str, float],
     audio_root: Path | None = None,
 ) -> list[str]:
-    """Why `cand`'s measurement (against `stock` in the same job) is not to be believed;
-    [] when every guard holds. `comparison`: the run's stored comparison of `cand`."""
+    """Why `cand`'s measurement (against `reference`, stock or the champion, in the same
+    job) is not to be believed; [] when every guard holds. `comparison`: the run's stored
+    comparison of `cand`."""
+    ref = reference.stack.name
     reasons = worker_flags(cand)
     for key, what in FLOOR_METRICS.items() if not reasons else ():  # the worker said it
         value = cand.metrics.get(key)
@@ -50,17 +54,17 @@ def invalid_reasons(
             )
     if comparison.get("exactness_failed") == 1.0:
         reasons.append("declared exact, but its fidelity against stock is outside tolerance")
-    broken, stock_broken = _broken(cand.utterances), _broken(stock.utterances)
-    if broken > stock_broken:
-        reasons.append(f"{broken} broken recordings (NaN or empty audio), stock has {stock_broken}")
+    broken, ref_broken = _broken(cand.utterances), _broken(reference.utterances)
+    if broken > ref_broken:
+        reasons.append(f"{broken} broken recordings (NaN or empty audio), {ref} has {ref_broken}")
     same = cand.audio_independent_of_input  # the worker's own comparison (running.guards)
-    if same is not None and stock.audio_independent_of_input is None:
+    if same is not None and reference.audio_independent_of_input is None:
         reasons.append(
             f"audio does not depend on its {same.differs_in}: {same.a} and {same.b} give the "
-            "same waveform, where stock's differ"
+            f"same waveform, where {ref}'s differ"
         )
     elif same is None:
-        reasons += independence(cand.utterances, stock.utterances, audio_root)
+        reasons += independence(cand.utterances, reference.utterances, audio_root, ref)
     return reasons
 
 
@@ -74,17 +78,20 @@ def _broken(utts: Iterable[UtteranceRecord]) -> int:
 
 
 def independence(
-    cand: list[UtteranceRecord], stock: list[UtteranceRecord], audio_root: Path | None
+    cand: list[UtteranceRecord],
+    reference: list[UtteranceRecord],
+    audio_root: Path | None,
+    ref_name: str = "stock",
 ) -> list[str]:
     """'does not depend on its seed / prompt' when the candidate's audio is the same across
-    seeds (or prompts) where stock's, in the same job, differs."""
-    mine, ref = _prints(cand, audio_root), _prints(stock, audio_root)
+    seeds (or prompts) where the reference's (`ref_name`), in the same job, differs."""
+    mine, ref = _prints(cand, audio_root), _prints(reference, audio_root)
     out = []
     for axis, label in ((0, "prompt"), (1, "seed")):
         if _constant_along(mine, axis) and not _constant_along(ref, axis):
             out.append(
                 f"audio does not depend on its {label}: identical output for different "
-                f"{label}s, where stock's differs"
+                f"{label}s, where {ref_name}'s differs"
             )
     return out
 

@@ -9,7 +9,10 @@
         fails is ledgered; each candidate is written `open`, deduped on its identity (stack
         + code + protocol + hardware: a repeat is never run) and planned alone (a stack that
         does not plan is refused before anything runs)
-        dev: one job of stock, the champion and every candidate of the round (interleaved)
+        dev: one job of the champion and every candidate of the round (interleaved: each
+            judged against the champion, paired); stock only while it is the champion, or
+            when a proposer reads every candidate's headline (jobs: stock's token loop is
+            most of a job once the champion is fast)
         fresh: one job on fresh seeds of the dev winners, and of the winners combined (the
             loop's own candidate, `combine`: changes that each pay alone may add up)
         gate: the fresh winners, best first, until one is accepted (run_gate: the holdout,
@@ -23,7 +26,8 @@
 
 Jobs go through a Submitter (explore.submit) onto the executor: a live pool of workers
 (`orchestrate workers`) or one worker here. On a pool of N workers a round's dev candidates
-go as N jobs at once (each with stock and the champion: judged paired within its job).
+go as N jobs at once (each with the champion: judged paired within its job), and so do its
+fresh remeasures.
 The store is written before MLflow, which is best effort.
 """
 
@@ -106,6 +110,7 @@ class Explorer:
         self.hardware = row["hardware"]
         self.random_weights = decide.random_weights(setup.model)
         self.techniques = state.technique_catalogue(setup.model.family)
+        self.stock_in_dev = any(p.reads_headlines for p in setup.proposers)
         self.caps = state.device_caps(setup.model.device, self.techniques)
         self.failures: dict[str, int] = {}
         self.turn = 0
@@ -125,7 +130,7 @@ class Explorer:
         queues: dict[str, deque[Proposal]] = {p.name: deque() for p in self.s.proposers}
         exhausted: set[str] = set()
         while True:
-            if why := self._spent(1, [None] * self.s.per_job) or self._target_reached():
+            if why := self._spent(1, [None] * self.s.per_job, "dev") or self._target_reached():
                 return self._stop(why)
             if self.since_gain >= self.s.patience:
                 return self._stop(
@@ -230,10 +235,13 @@ class Explorer:
             spec=spec.model_dump(mode="json"),
         )
         self.s.say(f"#{cand['seq']} {proposer} {proposal.change}: {spec.name}")
-        for other, what in ((self.champion, "the champion"), (self.s.stock, "stock")):
+        for other, what, why in (
+            (self.champion, "the champion", "measured in every job"),
+            (self.s.stock, "stock", "the baseline of every headline"),
+        ):
             if jobs.same(spec, other):
-                why = f"is {what} ({other.name}), measured in every job: not submitted"
-                return self._decide(cand, Step("dedup", "duplicate", why))
+                said = f"is {what} ({other.name}), {why}: not submitted"
+                return self._decide(cand, Step("dedup", "duplicate", said))
         return self._identify(cand, spec)
 
     def _identify(self, cand: dict[str, Any], spec: StackSpec) -> dict[str, Any]:
@@ -271,7 +279,7 @@ class Explorer:
             if not group:
                 continue
             names = [c["stack_name"] for c in group]
-            if phase == "fresh" and (why := self._spent(1, names)):
+            if phase == "fresh" and (why := self._spent(1, names, phase)):
                 done += [self._not_run(c, phase, why) for c in group]
                 live = [c for c in live if c not in group]
                 continue
@@ -335,7 +343,7 @@ class Explorer:
                 continue
             # The gate: the holdout, and a remeasure unless the fresh run stands in for it.
             needs = 1 if _fresh_run_id(cand) else 2
-            if why := self._spent(needs, [cand["stack_name"]]):
+            if why := self._spent(needs, [cand["stack_name"]], "gate"):
                 done.append(self._not_run(cand, "gate", why))
                 continue
             step = self._gate(cand)
@@ -362,11 +370,13 @@ class Explorer:
         return self._decide(cand, step)
 
     def _measure(self, group: list[dict[str, Any]], phase: str) -> list[Step]:
-        """A dev group on an executor of several slots is split into that many jobs, run at
-        once (each with stock and the champion, so every candidate is still judged paired
-        within its own job); otherwise one job (`_measure_one`)."""
+        """A dev or fresh group on an executor of several slots is split into that many
+        jobs, run at once (each with the champion, and stock as planned, so every candidate
+        is still judged paired within its own job; each fresh job on seeds of its own);
+        otherwise one job (`_measure_one`). The gate stays one candidate at a time, best
+        first: the holdout opens only for the one that may be accepted."""
         slots = max(1, int(getattr(self.s.submitter, "slots", 1)))
-        if phase != "dev" or slots == 1 or len(group) == 1:
+        if phase not in ("dev", jobs.FRESH) or slots == 1 or len(group) == 1:
             return self._measure_one(group, phase)
         parts = [group[i::slots] for i in range(min(slots, len(group)))]
         steps: dict[int, Step] = {}
@@ -387,7 +397,8 @@ class Explorer:
             for cand in part:
                 self._journal(cand, phase, job.job_id)
             planned.append((part, specs, job))
-        outcomes = self._submit_all([Submission(job) for _, _, job in planned])
+        force = phase == jobs.FRESH  # fresh seeds are never served from an earlier run
+        outcomes = self._submit_all([Submission(job, force=force) for _, _, job in planned])
         for (part, specs, _), outcome in zip(planned, outcomes, strict=True):
             if outcome.result is None and len(part) > 1:
                 part_steps = self._alone(part, specs, phase, outcome)
@@ -427,7 +438,7 @@ class Explorer:
         self.s.say(f"{seqs} {phase}: the job failed as a whole ({failed.error}); each alone")
         steps = []
         for cand, spec in zip(group, specs, strict=True):
-            why = self._spent(1, [cand["stack_name"]])
+            why = self._spent(1, [cand["stack_name"]], phase)
             if why is None:
                 try:
                     job = self._plan([spec], phase, _draw([cand]))
@@ -446,15 +457,22 @@ class Explorer:
         if out.result is None:
             return Step(phase, "error", out.error or f"run {out.status}", run_id=out.run_id)
         by = {r.stack.name: r for r in out.result.results}
-        stock = by[self.s.stock.name]
+        stock = by.get(self.s.stock.name)  # None: a dev job without it (jobs)
         parent, mine = by.get(self.champion.name, stock), by[spec.name]
+        assert parent is not None, "every job holds the champion"
+        # The guards' and fidelity thresholds' reference: stock, or else the champion, which
+        # passed them against stock before it was crowned (the remeasure, with stock, judges
+        # again: a dev pass against the champion never reaches the gate on its own).
+        reference = stock or parent
         comparison = out.comparisons.get(spec.name, {})
-        invalid = guards.invalid_reasons(mine, stock, comparison, Path(out.result.job.output_dir))
+        invalid = guards.invalid_reasons(
+            mine, reference, comparison, Path(out.result.job.output_dir)
+        )
         step = judge_measured(
             phase,
             mine,
             parent,
-            stock,
+            reference,
             self.s.protocol,
             invalid=invalid,
             noisy=metrics.result_noise(out.result, out.comparisons),
@@ -462,8 +480,10 @@ class Explorer:
             change=cand["change"],
             retry_noise=phase == jobs.FRESH and _fresh_run_id(cand) is None,
         )
-        numbers = step.numbers | headline_numbers(comparison)
-        return replace(step, run_id=out.run_id, numbers=numbers)
+        # The run's comparisons are against its first stack: the headline only when that
+        # is stock (in a dev job without stock they are against the champion).
+        headline = headline_numbers(comparison) if stock is out.result.results[0] else {}
+        return replace(step, run_id=out.run_id, numbers=step.numbers | headline)
 
     def _gate(self, cand: dict[str, Any]) -> Step:
         """The phase gate (research.gate.run_gate): the only place the holdout opens."""
@@ -494,7 +514,7 @@ class Explorer:
         # Jobs it ran: its own remeasure (unless the fresh run stood in), its holdout.
         ran = int(bool(report and report.get("remeasure_from") == "this gate"))
         ran += int(bool(report and report.get("holdout_run")))
-        self._count_jobs(ran, time.monotonic() - started, self._stacks(1))
+        self._count_jobs(ran, time.monotonic() - started, self._stacks(1, "gate"))
         return step
 
     def _gate_job(self, job: JobSpec) -> Outcome:
@@ -547,15 +567,17 @@ class Explorer:
     # -------------------------------------------------------------------- submitting
 
     def _plan(self, specs: list[StackSpec], phase: str, draw: int) -> JobSpec:
-        """A job of stock, the champion (the candidates' parent: the champion moves only
-        between rounds) and `specs`. A fresh job's seeds are drawn from `draw` (the lowest
-        candidate number in it: every fresh job gets seeds no other job had)."""
+        """A job of the champion (the candidates' parent: the champion moves only between
+        rounds), `specs`, and stock unless it is a dev job without it (jobs.job_stacks). A
+        fresh job's seeds are drawn from `draw` (the lowest candidate number in it: every
+        fresh job gets seeds no other job had)."""
         workload = (
             jobs.dev_workload(self.s.dev)
             if phase == "dev"
             else jobs.fresh_workload(self.s.dev, self.s.protocol, draw)
         )
-        stacks = jobs.job_stacks(self.s.stock, self.champion, specs)
+        with_stock = phase != "dev" or self.stock_in_dev
+        stacks = jobs.job_stacks(self.s.stock, self.champion, specs, with_stock)
         job = jobs.plan(
             self.s.model,
             workload,
@@ -632,9 +654,15 @@ class Explorer:
             self._count_jobs(1, seconds, len(sub.job.stacks))
         return outcomes
 
-    def _stacks(self, candidates: int) -> int:
-        """Stacks in a job of `candidates`: stock and the champion come with them."""
-        return 1 + (not jobs.same(self.champion, self.s.stock)) + candidates
+    def _stacks(self, candidates: int, phase: str) -> int:
+        """Stacks in a `phase` job of `candidates`: the champion and stock come with them."""
+        return len(self._job_names([None] * candidates, phase))
+
+    def _job_names(self, names: list[str | None], phase: str) -> list[str | None]:
+        """The stack names of a `phase` job of candidates `names`, as `_plan` plans it."""
+        stock, champ = self.s.stock, self.champion
+        with_stock = phase != "dev" or self.stock_in_dev
+        return [s.name for s in jobs.job_stacks(stock, champ, [], with_stock)] + names
 
     def _count_jobs(self, n: int, seconds: float | None, stacks: int) -> None:
         """`n` more jobs; their `seconds` (None: not an estimate's sample) per stack."""
@@ -826,31 +854,32 @@ class Explorer:
     def _elapsed(self) -> float:
         return self.elapsed0 + (time.monotonic() - self.t0)
 
-    def _spent(self, needs: int = 1, names: list[str | None] | None = None) -> str | None:
-        """Why the budget allows no further `needs` jobs of stock, the champion and the
-        candidates `names` (None: not measured yet), or None. A job is estimated from what
-        its stacks cost per clip (`_job_seconds`); before that is known, per stack (a dev
-        job of five stacks costs about 5/3 of a gate job of three), from the jobs so far."""
-        names = names if names is not None else [None]
-        stacks = self._stacks(len(names))
-        next_job = self._job_seconds(names)
+    def _spent(self, needs: int, names: list[str | None], phase: str) -> str | None:
+        """Why the budget allows no further `needs` `phase` jobs of the candidates `names`
+        (None: not measured yet) with the champion and, as planned, stock; or None. A job
+        is estimated from what its stacks cost per clip (`_job_seconds`); before that is
+        known, per stack (a dev job of five stacks costs about 5/3 of a gate job of three),
+        from the jobs so far."""
+        stacks = self._job_names(names, phase)
+        next_job = self._job_seconds(stacks)
         if next_job is None and self.stack_seconds:
-            next_job = statistics.fmean(self.stack_seconds) * stacks
-        return self.s.budget.spent(self._elapsed(), self.jobs, next_job, needs, stacks)
+            next_job = statistics.fmean(self.stack_seconds) * len(stacks)
+        return self.s.budget.spent(self._elapsed(), self.jobs, next_job, needs, len(stacks))
 
-    def _job_seconds(self, names: list[str | None]) -> float | None:
-        """A job of stock, the champion and candidates `names`: per stack, its seconds per
-        clip (as last measured; a candidate not yet measured, the champion's: it is the
-        champion and one change) times its clips and warm-ups, plus what a job spends per
-        stack beyond its clips (building, fidelity), as measured. On the H200 stock took
-        7 s a clip and a captured loop 1 s, so a job's time follows its host-bound stacks,
-        not its count of stacks."""
+    def _job_seconds(self, stacks: list[str | None]) -> float | None:
+        """A job of `stacks` (`_job_names`): per stack, its seconds per clip (as last
+        measured; a candidate not yet measured, the champion's: it is the champion and one
+        change) times its clips and warm-ups, plus what a job spends per stack beyond its
+        clips (building, fidelity), as measured. On the H200 stock took 7 s a clip and a
+        captured loop 1 s, so a job's time follows its host-bound stacks, not its count of
+        stacks. None until the champion (and stock, when the job holds it) was timed."""
         stock, champ = self.s.stock.name, self.champion.name
-        if not self.extra_s or stock not in self.clip_s or champ not in self.clip_s:
+        if not self.extra_s or champ not in self.clip_s:
+            return None
+        if stock in stacks and stock not in self.clip_s:
             return None
         dev = self.s.dev
         clips = len(dev.prompts) * len(dev.seeds) + dev.warmups
-        stacks = [stock, *([] if champ == stock else [champ]), *names]
         per_clip = [self.clip_s.get(n or "", self.clip_s[champ]) for n in stacks]
         return sum(statistics.fmean(self.extra_s) + clips * s for s in per_clip)
 

@@ -101,6 +101,7 @@ def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:
                 headline=c["headline"],
                 headline_lo=c["headline_lo"],
                 headline_hi=c["headline_hi"],
+                vs_parent=c["vs_parent"],
             )
         )
     return out
