@@ -35,7 +35,7 @@ from orchestrate.api.records import (
 from orchestrate.api.registry import get, job_identity
 from orchestrate.explore import decisions, guards, jobs, state
 from orchestrate.explore.budget import Budget, BudgetError, parse_budget
-from orchestrate.explore.loop import Explorer, Setup
+from orchestrate.explore.loop import Explorer, Setup, _since_gain
 from orchestrate.explore.submit import Submission
 from orchestrate.proposers.ablation import Ablation
 from orchestrate.proposers.agent import Agent
@@ -773,6 +773,41 @@ def test_a_combination_the_budget_stops_before_fresh_is_decided_not_a_crash(
     decided = ex._not_run(union, "fresh", "budget spent: test")
     assert decided["status"] == "decided" and decided["decision"] == "drop"
     assert decided["reason"] == "sent to fresh, not run: budget spent: test"
+    # Cut before it was judged, it says nothing: the same stack proposed again (from a
+    # resumed session) is measured, not called its duplicate (on the H200, exploration
+    # 59be54fef175's #14 was), and it spends no patience.
+    again = ex._combine([_measured(ex, ["static_kv_cache"]), _measured(ex, ["audio_head"])])
+    assert again is not None and again["status"] == "open" and again["identity"]
+    assert _since_gain([decided]) == 0
+
+
+def test_superseded_and_cut_candidates_spend_no_patience(store: Store, tmp_path: Path) -> None:
+    ex = explorer(store, tmp_path, [Ladder()])
+    budget = {"phase": "budget", "decision": "remeasure"}
+    dev = {"phase": "dev", "decision": "drop"}
+    cands = [
+        {"seq": 1, "id": 1, "decision": "accept", "reason": "", "steps": [dev]},
+        {"seq": 2, "id": 2, "decision": "superseded", "reason": "", "steps": [dev]},
+        {"seq": 3, "id": 3, "decision": "remeasure", "reason": "", "steps": [dev, budget]},
+        {"seq": 4, "id": 4, "decision": "drop", "reason": "", "steps": [dev]},
+    ]
+    assert ex._after_round(cands) and ex.since_gain == 1  # #4 alone
+    stored = [c | {"status": "decided"} for c in cands]
+    assert _since_gain(stored) == 1
+
+
+def test_a_canonical_name_keeps_to_100_characters_and_an_older_one_is_read() -> None:
+    """Six techniques named a 107-character stack on the H200 (exploration 59be54fef175,
+    #19); every later proposal failed to read it back and both proposers were exhausted."""
+    names = ["static_kv_cache", "device_sampler", "graph_loop", "fused_rope_norm"]
+    names += ["packed_projections", "decode_attention", "pdl"]
+    stack = StackSpec(name="x", techniques=[TechniqueRef(name=n) for n in names])
+    spec = jobs.canonical(stack, STOCK)
+    assert len(spec.name) <= 100 and spec.name.startswith("static_kv_cache.device_sampler")
+    long = spec.model_dump(mode="json") | {"name": "static_kv_cache." * 6 + "pdl-fce1a2"}
+    with pytest.raises(ValueError, match="not a safe name"):
+        StackSpec.model_validate(long)
+    assert jobs.stored_stack(long).name == spec.name
 
 
 class NoisyFresh(FakeSubmitter):

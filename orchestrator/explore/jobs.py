@@ -16,6 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from orchestrate.api import protocol as proto
 from orchestrate.api.config import ModelSpec, StackSpec, TechniqueRef, Workload
@@ -37,9 +40,26 @@ def canonical(stack: StackSpec, stock: StackSpec) -> StackSpec:
     if not techniques:
         return stock
     spec = StackSpec(name="candidate", family=stack.family, techniques=techniques)
+    return spec.model_copy(update={"name": canonical_name(spec), "description": DESCRIPTION})
+
+
+def canonical_name(spec: StackSpec) -> str:
+    """What `spec` applies, in order, and a hash of it: at most 100 characters (a stack's
+    name becomes a folder name), the techniques part cut to make room for the hash."""
     short = hashlib.sha256(technique_key(spec).encode()).hexdigest()[:6]
-    base = ".".join(t.name for t in techniques)[:100]
-    return spec.model_copy(update={"name": f"{base}-{short}", "description": DESCRIPTION})
+    base = ".".join(t.name for t in spec.techniques)[: 100 - len(short) - 1].rstrip(".")
+    return f"{base}-{short}"
+
+
+def stored_stack(spec: dict[str, Any]) -> StackSpec:
+    """A candidate's stored stack. Before canonical_name kept to 100 characters, a stack of
+    many techniques was stored under a longer name, which no longer validates (exploration
+    59be54fef175's #19): that one is named as canonical_name names it now."""
+    try:
+        return StackSpec.model_validate(spec)
+    except ValidationError:
+        renamed = StackSpec.model_validate(spec | {"name": "candidate"})
+        return renamed.model_copy(update={"name": canonical_name(renamed)})
 
 
 def same(a: StackSpec, b: StackSpec) -> bool:

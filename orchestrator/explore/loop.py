@@ -162,7 +162,7 @@ class Explorer:
         for cand in sorted(seen.values(), key=lambda c: c["seq"]):
             if cand["decision"] == "accept":
                 self.since_gain, moved = 0, True
-            elif not _refused_here(cand):
+            elif not _spends_no_patience(cand):
                 self.since_gain += 1
         return moved
 
@@ -833,12 +833,15 @@ class Explorer:
     # ---------------------------------------------------------------------- stopping
 
     def _same_identity(self, identity: str, other_than: int) -> dict[str, Any] | None:
-        """An earlier candidate with this identity: decided, or open in this round."""
+        """An earlier candidate with this identity: decided, or open in this round. One the
+        budget cut before it was judged is no answer: the same stack may be measured."""
         return next(
             (
                 c
                 for c in self.s.store.list_candidates(self.id)
-                if c["identity"] == identity and c["id"] != other_than
+                if c["identity"] == identity
+                and c["id"] != other_than
+                and not (c["status"] == "decided" and _cut(c))
             ),
             None,
         )
@@ -975,10 +978,23 @@ def _since_gain(candidates: list[dict[str, Any]]) -> int:
     """Decided candidates since the last accept that ran (patience carries over a resume)."""
     n = 0
     for c in candidates:
-        if c["status"] != "decided" or _refused_here(c):
+        if c["status"] != "decided" or (c["decision"] != "accept" and _spends_no_patience(c)):
             continue
         n = 0 if c["decision"] == "accept" else n + 1
     return n
+
+
+def _spends_no_patience(cand: dict[str, Any]) -> bool:
+    """Candidates that say nothing about whether the proposers still find gains: refused on
+    this device, cut by the budget before they were judged (a resume takes them on), and
+    superseded (they cleared their remeasure; a round-mate was accepted first)."""
+    return _refused_here(cand) or _cut(cand) or cand["decision"] == "superseded"
+
+
+def _cut(cand: dict[str, Any]) -> bool:
+    """The budget stopped the candidate on its way to its next phase."""
+    steps = cand.get("steps") or []
+    return bool(steps) and steps[-1]["phase"] == "budget"
 
 
 def _refused_here(cand: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from orchestrate.api.proposer import ExplorationState, Tried
 from orchestrate.api.records import StackResult
 from orchestrate.api.registry import catalogue
 from orchestrate.api.technique import HOST, DeviceCaps
+from orchestrate.explore import jobs
 
 PROFILE_PREFIX = "slot_ms."  # per-slot time of a stack, where the worker measured it
 HOST_WALL, GPU_BUSY = "ms_per_token", "gpu_busy_ms_per_step"  # a step is a token here
@@ -93,7 +94,7 @@ def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:
             continue
         out.append(
             Tried(
-                stack=StackSpec.model_validate(c["spec"]),
+                stack=jobs.stored_stack(c["spec"]),
                 change=c["change"],
                 proposer=c["proposer"],
                 decision=c["decision"],
@@ -127,7 +128,7 @@ def build_state(
         tried=tried_of(candidates),
         profile=profile,
         pending=[
-            StackSpec.model_validate(c["spec"])
+            jobs.stored_stack(c["spec"])
             for c in candidates
             if c["status"] == "open" and c["spec"] is not None
         ],
