@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrate.api.records import SCHEMA_VERSION, JobSpec
@@ -48,6 +47,8 @@ class Capabilities(BaseModel):
     def probe(cls, device: Literal["cpu", "cuda"], families: tuple[str, ...]) -> Capabilities:
         """This process's device (a pool worker sees one GPU: CUDA_VISIBLE_DEVICES)."""
         if device == "cuda":
+            import torch  # here: the queue's commands need no torch (3 s an import)
+
             if not torch.cuda.is_available():
                 raise RuntimeError("a CUDA worker was asked for, but no CUDA device is visible")
             props = torch.cuda.get_device_properties(0)

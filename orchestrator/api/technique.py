@@ -29,7 +29,6 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from orchestrate.api.config import StackSpec
@@ -110,7 +109,11 @@ class DeviceCaps:
 
     @classmethod
     def probe(cls, device: str) -> DeviceCaps:
-        if device == "cuda" and torch.cuda.is_available():
+        if device != "cuda":
+            return cls("cpu")
+        import torch  # here, not at the top: listing or checking stacks needs no torch (3 s)
+
+        if torch.cuda.is_available():
             return cls("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
         return cls("cpu")
 
