@@ -196,18 +196,25 @@ GEMV_CASES = [
 ]
 
 
-# Rows and input dtype for each GEMV case: the whole grid on the GPU; in the CPU interpreter
-# (about 4 s a case, 126 cases were half the file's 9 CPU minutes) each M with one dtype and
-# each dtype at M=1 and on the multi-row path.
-M_DTYPES = (
-    [(m, dtype) for m in (1, 2, 4) for dtype in (torch.float32, torch.bfloat16)]
+# Rows and input dtype for each GEMV case: the whole grid on the GPU. In the CPU interpreter
+# (about 4 s a case; 126 cases were half the file's 9 CPU minutes) each case runs at two of
+# four points, alternating: M=1 in fp32 with M=2 in bf16, or M=1 in bf16 with M=4 in fp32.
+# So every case runs in both dtypes, on the one-row and a multi-row path, and every point
+# runs on half the cases.
+M_DTYPES = [(m, dtype) for m in (1, 2, 4) for dtype in (torch.float32, torch.bfloat16)]
+CPU_POINTS = [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float32)]
+GEMV_GRID = (
+    [(*point, *case) for case in GEMV_CASES for point in M_DTYPES]
     if CUDA
-    else [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float32)]
+    else [
+        (*CPU_POINTS[(i + j) % 4], *case)
+        for i, case in enumerate(GEMV_CASES)
+        for j in (0, 2)
+    ]
 )
 
 
-@pytest.mark.parametrize("n,k,cfg", GEMV_CASES)
-@pytest.mark.parametrize("m,dtype", M_DTYPES)
+@pytest.mark.parametrize("m,dtype,n,k,cfg", GEMV_GRID)
 def test_int8_linear_matches_reference(
     n: int, k: int, cfg: object, m: int, dtype: torch.dtype
 ) -> None:

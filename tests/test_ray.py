@@ -35,7 +35,9 @@ from orchestrate.running.runner import WorkerLost
 from orchestrate.store.store import Store
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
-pytestmark = pytest.mark.serial  # a Ray cluster's processes want the whole machine
+# The tests that start a Ray cluster run alone (CI's serial pass): its processes want the
+# whole machine. The rest (fakes, a refused address, no ray package) run in the parallel pass.
+cluster = pytest.mark.serial
 
 CPU = Capabilities(device="cpu", families=("rumik",))
 TINY = Workload(
@@ -192,6 +194,7 @@ def local_ray_pool(env: dict[str, str], cwd: Path, slots: int) -> subprocess.Pop
     )  # fmt: skip
 
 
+@cluster
 @pytest.mark.slow
 def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'o.db'}"
@@ -233,6 +236,7 @@ def test_a_ray_pool_runs_six_jobs_once_each_and_survives_a_killed_actor(tmp_path
     print(f"six jobs on a Ray cluster of two CPU slots: wall {wall:.1f} s, jobs {busy:.1f} s")
 
 
+@cluster
 @pytest.mark.slow
 def test_a_cancelled_job_stops_its_worker_on_the_actors_node(tmp_path: Path) -> None:
     """`orchestrate cancel` of a running job reaches the worker inside a Ray actor (the
@@ -265,6 +269,7 @@ def test_a_cancelled_job_stops_its_worker_on_the_actors_node(tmp_path: Path) -> 
     assert stopped_s < 60, f"the pool took {stopped_s:.0f} s to stop after cancel:\n{output}"
 
 
+@cluster
 def test_the_ray_backend_lists_the_clusters_nodes(tmp_path: Path) -> None:
     """No --gpus: the cluster's nodes with their GPUs and CPU slots (a local cluster here)."""
     env = os.environ | {"ORCHESTRATE_DB_URL": f"sqlite:///{tmp_path / 'o.db'}"}
@@ -280,6 +285,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@cluster
 @pytest.mark.slow
 def test_a_lost_head_stops_the_pool_with_one_line_and_requeues_its_job(tmp_path: Path) -> None:
     """A pool joined to a cluster (`ray start --head`, then --address HOST:PORT) whose head
