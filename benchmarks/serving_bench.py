@@ -52,6 +52,7 @@ from orchestrate.running.serving import (
 FRAME_S = 0.08  # one Mimi frame: 8 tokens
 TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
+PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
 
 NOT_BUILT = [
     "a family call on the Family API that serves a set of requests (the benchmark builds the "
@@ -78,6 +79,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk-frames", type=int, default=1, help="frames per audio chunk")
     ap.add_argument("--no-codec", action="store_true", help="leave Mimi decode out")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA too")
+    ap.add_argument(
+        "--attention",
+        default="sdpa",
+        help="our path's attention, comma-separated, each a path of its own run one after the "
+        "other: sdpa (masked SDPA, path 'ours'), triton (batched kernel, path 'ours_triton')",
+    )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--poisson", default="", help="RATE:DURATION_S,... levels for our path")
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
@@ -109,6 +116,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         ]
     except ValueError as exc:
         raise LoadError(f"cannot read a level list: {exc}") from exc
+    unknown = [a for a in args.attention.split(",") if a not in PATHS]
+    if unknown or not args.attention:
+        raise LoadError(f"--attention {args.attention!r}: each one of {', '.join(PATHS)}")
+    if "triton" in args.attention.split(",") and not cuda:
+        raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
     rows = args.rows if args.rows is not None else max(levels, default=0)
     loads = [Load(concurrency=n) for n in levels]
     loads += [Load(rate=r, duration_s=d) for r, d in poisson]
@@ -159,7 +171,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(server, load: Load, prompt: list[int], frames: int, args, limit_s: float):
+def run_ours(
+    server, load: Load, prompt: list[int], frames: int, args, limit_s: float, path: str = "ours"
+):
     from orchestrate.techniques.rumik.batched_server import ServeRequest
 
     times = arrivals(load, args.seed)
@@ -171,7 +185,7 @@ def run_ours(server, load: Load, prompt: list[int], frames: int, args, limit_s: 
     st = server.stats
     level = summarise(records, FRAME_S, args.chunk_frames)
     level.update(
-        path="ours",
+        path=path,
         load=load.label(),
         concurrency=load.concurrency,
         rate=load.rate,
@@ -271,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
+            "attention": {
+                "ours": "SDPA over the context bucket's positions with a per-row boolean mask",
+                "ours_triton": "kernels/batched_attention.py: each row over its own filled "
+                "positions (one context bucket)",
+                "order": "each path's server is built, warmed up and run over every level, "
+                "then freed, before the next path's (one cache in GPU memory at a time)",
+            },
         },
         "baseline_b": {
             "what": "transformers generate(), StaticCache reused per batch size, auto "
@@ -291,59 +312,61 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [],
         "skipped": [],
     }
-    server = BatchedServer(
-        model,
-        rows,
-        capacity,
-        sampling,
-        graphs=cuda and not args.no_graphs,
-        codec=not args.no_codec,
-        chunk_frames=args.chunk_frames,
-        max_prefill_tokens=args.max_prefill_tokens,
-    )
     doc["model"]["build_s"] = time.perf_counter() - start
-    t0 = time.perf_counter()
-    doc["ours"]["graphs_captured"] = server.warm_up()
-    doc["ours"]["capture_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()  # untimed: first prefill, allocator and codec paths warm up
-    run_ours(server, Load(concurrency=min(2, rows)), prompt, 2, args, 120.0)
-    doc["ours"]["warm_up_s"] = time.perf_counter() - t0
-    write(out, doc)
-    print(
-        f"model {preset} built, {doc['ours']['graphs_captured']} graphs captured "
-        f"in {doc['ours']['capture_s']:.1f} s",
-        flush=True,
-    )
-
-    for load in loads:
-        n = load.concurrency
-        todo = [("ours", None)] + ([("baseline_b", n)] if n in base_levels else [])
-        for path, _ in todo:
-            left = deadline - time.perf_counter()
-            need = 150.0 if (path == "baseline_b" and cuda) else 5.0  # a compile is ~70 s
-            if left < need:
-                doc["skipped"].append(
-                    {"path": path, "load": load.label(), "why": f"time budget: {left:.0f} s left"}
-                )
-                continue
-            try:
-                if path == "ours":
-                    level = run_ours(server, load, prompt, frames, args, left - 2.0)
-                else:
-                    level = run_baseline(model, n, prompt, frames, sampling, args, args.device)
-            except Exception as exc:  # one failed level is recorded; the curve goes on
-                level = {
-                    "path": path,
-                    "load": load.label(),
-                    "concurrency": n,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()[-2000:],
-                }
-                server.clear()
-            doc["levels"].append(level)
-            doc["elapsed_s"] = time.perf_counter() - start
-            write(out, doc)
-            print(brief(level), flush=True)
+    attentions = args.attention.split(",")
+    for which, attention in enumerate(attentions):  # one server at a time: one cache in memory
+        path = PATHS[attention]
+        server = BatchedServer(
+            model,
+            rows,
+            capacity,
+            sampling,
+            graphs=cuda and not args.no_graphs,
+            codec=not args.no_codec,
+            chunk_frames=args.chunk_frames,
+            max_prefill_tokens=args.max_prefill_tokens,
+            attention=attention,
+        )
+        mine = doc["ours"].setdefault("paths", {}).setdefault(path, {"attention": attention})
+        t0 = time.perf_counter()
+        mine["graphs_captured"] = server.warm_up()
+        mine["capture_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()  # untimed: first prefill, allocator and codec paths warm up
+        run_ours(server, Load(concurrency=min(2, rows)), prompt, 2, args, 120.0, path)
+        mine["warm_up_s"] = time.perf_counter() - t0
+        write(out, doc)
+        print(f"{path}: {mine['graphs_captured']} graphs in {mine['capture_s']:.1f} s", flush=True)
+        for load in loads:
+            n = load.concurrency
+            todo = [path] + (["baseline_b"] if which == 0 and n in base_levels else [])
+            for what in todo:
+                left = deadline - time.perf_counter()
+                need = 150.0 if (what == "baseline_b" and cuda) else 5.0  # a compile is ~70 s
+                if left < need:
+                    why = f"time budget: {left:.0f} s left"
+                    doc["skipped"].append({"path": what, "load": load.label(), "why": why})
+                    continue
+                try:
+                    if what == "baseline_b":
+                        level = run_baseline(model, n, prompt, frames, sampling, args, args.device)
+                    else:
+                        level = run_ours(server, load, prompt, frames, args, left - 2.0, path)
+                except Exception as exc:  # one failed level is recorded; the curve goes on
+                    level = {
+                        "path": what,
+                        "load": load.label(),
+                        "concurrency": n,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()[-2000:],
+                    }
+                    server.clear()
+                doc["levels"].append(level)
+                doc["elapsed_s"] = time.perf_counter() - start
+                write(out, doc)
+                print(brief(level), flush=True)
+        del server
+        if cuda:
+            torch.cuda.empty_cache()
     doc["complete"] = True
     write(out, doc)
     plot(out, str(fig))
@@ -352,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def brief(level: dict[str, Any]) -> str:
     if "error" in level:
-        return f"{level['path']:10} {level['load']:>24}: ERROR {level['error']}"
+        return f"{level['path']:12} {level['load']:>24}: ERROR {level['error']}"
 
     def f(x: float | None, scale: float = 1.0) -> str:
         return "-" if x is None else f"{x * scale:.3g}"
 
     return (
-        f"{level['path']:10} {level['load']:>24}: served {level['served']}/"
+        f"{level['path']:12} {level['load']:>24}: served {level['served']}/"
         f"{level['streams']}, TTFA p50/p95/p99 {f(level['ttfa_p50_s'], 1e3)}/"
         f"{f(level['ttfa_p95_s'], 1e3)}/{f(level['ttfa_p99_s'], 1e3)} ms, RTF p50 "
         f"{f(level['rtf_p50'])}, steady p95 {f(level['steady_rtf_p95'])}, "
@@ -379,7 +402,8 @@ def plot(src: Path, figure: str | None) -> int:
         return 0
     doc = json.loads(src.read_text())
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for path, style, color in (("ours", "o-", "C0"), ("baseline_b", "s--", "C1")):
+    paths = (("ours", "o-", "C0"), ("ours_triton", "^-", "C2"), ("baseline_b", "s--", "C1"))
+    for path, style, color in paths:
         rows = sorted(
             (
                 lv

@@ -66,9 +66,9 @@ with _interpreter(not CUDA and IN_PROCESS):
     require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
-        ep, gemv, attn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue", "int8_gemv",
-            "decode_attention", "sampler", "rope_norm", "int6_gemv", "swiglu",
-            "fused_gemv"))  # fmt: skip
+        ep, gemv, attn, battn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue",
+            "int8_gemv", "decode_attention", "batched_attention", "sampler", "rope_norm",
+            "int6_gemv", "swiglu", "fused_gemv"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
         sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
@@ -437,6 +437,89 @@ def test_decode_attention_rejects_unsupported() -> None:
         attn.decode_attention(q, huge, huge, dev_int(4))
     with pytest.raises(ValueError, match="multiple of Hkv"):
         attn.decode_attention(randn(1, 6, 128), k, k, dev_int(4))
+
+
+# ------------------------------------------------------------ batched decode attention
+
+# Rows of other lengths in one launch: empty, one position, ragged, a whole block, the cache.
+ROW_LENGTHS = [0, 1, 37, 64, 100, 160]
+
+
+@pytest.mark.parametrize("window,splits", [(0, 1), (48, 1), (0, 3), (48, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_attention_reads_each_rows_own_length(
+    window: int, splits: int, dtype: torch.dtype
+) -> None:
+    """Hq=8 over Hkv=2 on strided row views of a larger cache; every row against the torch
+    reference on its own slice, an empty row zeros, and each row bit-for-bit what the
+    one-stream kernel gives it (the same inner loop over the same splits)."""
+    b = len(ROW_LENGTHS)
+    q = randn(b, 8, 128, dtype=dtype)
+    big_k, big_v = randn(b, 2, 192, 128, dtype=dtype), randn(b, 2, 192, 128, dtype=dtype)
+    k, v = big_k[:, :, :160], big_v[:, :, :160]
+    lengths = torch.tensor(ROW_LENGTHS, device=DEVICE)
+    kw = dict(window=window, num_splits=splits, block_s=16)
+    out = battn.batched_decode_attention(q, k, v, lengths, **kw)
+    ref = battn.batched_decode_attention_ref(q, k, v, ROW_LENGTHS, window=window)
+    assert float(out[0].abs().max()) == 0.0
+    for r in range(1, b):
+        assert rel_err(out[r], ref[r]) < tol(dtype), r
+        alone = attn.decode_attention(q[r], k[r], v[r], lengths[r : r + 1], **kw)
+        assert torch.equal(out[r], alone), r
+    # positions + 1 on the device is the lengths (what the batched step passes)
+    positions = (lengths - 1).clamp_min(0)
+    offset = battn.batched_decode_attention(q, k, v, positions, length_offset=1, **kw)
+    assert torch.equal(offset[1:], out[1:])
+
+
+def test_batched_decode_attention_rows_do_not_see_each_other() -> None:
+    """A row's output does not change when the other rows' caches and lengths do."""
+    q, k, v = randn(3, 16, 128), randn(3, 4, 64, 128), randn(3, 4, 64, 128)
+    lengths = torch.tensor([20, 50, 64], device=DEVICE)
+    before = battn.batched_decode_attention(q, k, v, lengths, block_s=16)
+    k[0].normal_(), v[2].normal_()
+    lengths[2] = 3
+    after = battn.batched_decode_attention(q, k, v, lengths, block_s=16)
+    assert torch.equal(before[1], after[1]) and not torch.equal(before[0], after[0])
+
+
+def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
+    """BatchedDecoder with attention='triton' against its SDPA path: three rows of other
+    prompt lengths (one past the sliding window), greedy, float32, eight steps: the same
+    tokens at every step."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    texts = ["Hi.", "A longer sentence, long enough to pass the sliding window of the model."]
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in [*texts, "Ok."]]
+    assert max(map(len, prompts)) > model.config.sliding_window
+    greedy = SamplingConfig(top_k=1)
+    steps = []
+    for attention in ("sdpa", "triton"):
+        dec = BatchedDecoder(model, 3, 160, greedy, attention)
+        dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
+        with torch.inference_mode():
+            steps.append([dec.step(3, 160).tolist() for _ in range(8)])
+    assert steps[0] == steps[1]
+
+
+def test_batched_decode_attention_rejects_unsupported() -> None:
+    q, k = randn(2, 16, 128), randn(2, 4, 32, 128)
+    lengths = torch.tensor([4, 4], device=DEVICE)
+    with pytest.raises(ValueError, match=r"must be \[B, Hq, D\]"):
+        battn.batched_decode_attention(q[0], k, k, lengths)
+    with pytest.raises(ValueError, match="2 query rows but caches of 3"):
+        battn.batched_decode_attention(q, randn(3, 4, 32, 128), randn(3, 4, 32, 128), lengths)
+    with pytest.raises(ValueError, match="lengths must be"):
+        battn.batched_decode_attention(q, k, k, lengths.float())
+    with pytest.raises(ValueError, match="head_dim must be 128"):
+        battn.batched_decode_attention(randn(2, 16, 64), randn(2, 4, 32, 64),
+                                       randn(2, 4, 32, 64), lengths)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- sampler

@@ -188,6 +188,8 @@ def _bench():
         (["--levels", "0"], "concurrency must be at least 1"),
         (["--levels", "2,8", "--rows", "4"], "exceeds the cache's 4 rows"),
         (["--poisson", "5"], "without a duration"),
+        (["--attention", "flash"], "each one of sdpa, triton"),
+        (["--attention", "sdpa,triton"], "--attention triton needs --device cuda"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

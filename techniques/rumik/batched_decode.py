@@ -7,9 +7,15 @@ the step has fixed shapes per (batch bucket, context bucket) and can be captured
 graph and replayed. One step, for the first `b` rows, over the first `s` cache positions:
 
   ids[b] -> embedding -> 36 x (LN -> packed q,k,v,gate,up -> rotary on sliding layers ->
-  write k,v at each row's position -> SDPA over that row's filled positions (a per-row mask)
-  -> x + packed o+down) -> final LN -> stop head -> the row's codebook head (step % 8) ->
+  write k,v at each row's position -> attention over that row's filled positions -> x +
+  packed o+down) -> final LN -> stop head -> the row's codebook head (step % 8) ->
   seeded top-k sample -> ids, positions, counts advance on the rows still generating.
+
+Attention (`attention=`): "sdpa", SDPA over the bucket's first `s` positions with a
+per-row boolean mask (plain PyTorch; any device), or "triton", the batched decode-attention
+kernel (kernels/batched_attention.py: each row reads only its own filled positions; CUDA,
+head_dim 128). Both compute the same softmax over the same positions; the sums run in
+another order.
 
 Prefill writes a new request's prompt (all but its last token) into a free row while the
 other rows keep their state; the next step then reads the last prompt token and samples the
@@ -56,12 +62,23 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> 
     return -torch.log(-torch.log(u))
 
 
+ATTENTION = ("sdpa", "triton")
+
+
 class BatchedDecoder:
     """The B-row cache, the per-row state buffers and the decode step over a bucket."""
 
     @torch.no_grad()  # packed copies of the weights need no autograd history
-    def __init__(self, model: RumikModel, rows: int, max_seq_len: int, sampling: SamplingConfig):
+    def __init__(
+        self,
+        model: RumikModel,
+        rows: int,
+        max_seq_len: int,
+        sampling: SamplingConfig,
+        attention: str = "sdpa",
+    ):
         lm, cfg = model.lm, model.config
+        self.attention = _attention(attention, model)
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         self.proj = Packed(stock_engine(model), fuse_output=True)
@@ -154,22 +171,29 @@ class BatchedDecoder:
         pos, count, active = self.pos[:b], self.count[:b], self.active[:b]
         x = F.embedding(self.ids[:b, None], self.embed)  # [b, 1, H]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
-        ahead = pos[:, None] - self.kv_index[None, :s]  # [b, s]
-        full = (ahead >= 0)[:, None, None]  # [b, 1, 1, s]: this row's filled positions
-        window = full & (ahead < self.window)[:, None, None]
+        if self.attention is None:  # SDPA's per-row masks over the bucket's s positions
+            ahead = pos[:, None] - self.kv_index[None, :s]  # [b, s]
+            full = (ahead >= 0)[:, None, None]  # [b, 1, 1, s]: this row's filled positions
+            windowed = full & (ahead < self.window)[:, None, None]
         rows = self.row_index[:b]
         g = self.hq // self.hkv
 
         def attend(i: int, q, k, v) -> torch.Tensor:
             self.k[i, rows, :, pos] = k[:, :, 0]
             self.v[i, rows, :, pos] = v[:, :, 0]
+            if self.attention is not None:  # each row over [0, pos + 1): no mask, no bucket
+                span = self.window if self.sliding[i] else 0
+                out = self.attention(
+                    q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1
+                )
+                return out[:, :, None]
             # The g query heads sharing a kv head become g query rows against it: no GQA
             # expansion, one read of each row's cache per kv head.
             out = F.scaled_dot_product_attention(
                 q.reshape(b, self.hkv, g, self.d),
                 self.k[i, :b, :, :s],
                 self.v[i, :b, :, :s],
-                attn_mask=window if self.sliding[i] else full,
+                attn_mask=windowed if self.sliding[i] else full,
                 scale=self.d**-0.5,
             )
             return out.reshape(b, self.hq, 1, self.d)
@@ -202,3 +226,22 @@ class BatchedDecoder:
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
         col = torch.where(may_end & stop, end_col, col)  # the stop head forces end-of-audio
         return self.head.ids[q, col]
+
+
+def _attention(name: str, model: RumikModel):
+    """None for SDPA (the step's own code), else the batched kernel; refused where it
+    cannot run, before any cache is allocated."""
+    if name not in ATTENTION:
+        raise ValueError(f"attention {name!r}: one of {', '.join(ATTENTION)}")
+    if name == "sdpa":
+        return None
+    import os
+
+    if model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+    if model.config.head_dim != 128:
+        have = model.config.head_dim
+        raise ValueError(f"attention 'triton' needs head_dim 128, the model has {have}")
+    from orchestrate.techniques.rumik.kernels.batched_attention import batched_decode_attention
+
+    return batched_decode_attention

@@ -80,15 +80,20 @@ class BatchedServer:
         chunk_frames: int = 1,
         max_prefill_tokens: int = 4096,
         ctx_stride: int = 128,
+        attention: str = "sdpa",
     ):
         self.model, self.sampling = model, sampling
-        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling)
+        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention)
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.codec_on, self.chunk_frames = codec, chunk_frames
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
-        self.ctx_buckets = buckets(max_seq_len, (), ctx_stride)
+        # The kernel reads each row's own length: one context bucket (the whole cache) is all
+        # it needs, and a bucket size's graphs are captured once, not once per context.
+        self.ctx_buckets = (
+            [max_seq_len] if attention == "triton" else buckets(max_seq_len, (), ctx_stride)
+        )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.stats = ServerStats()
         # Host mirror of the rows.

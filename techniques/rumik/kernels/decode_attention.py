@@ -90,6 +90,55 @@ def _split_range(
 
 
 @triton.jit
+def attend_range(
+    q,
+    k_base,
+    v_base,
+    start,
+    end,
+    qk_scale,
+    stride_ks,
+    stride_vs,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """The G_PAD query rows `q` of one KV head against its cache positions [start, end), an
+    online softmax: (running max, running sum, unnormalised output), as exp2 with log2(e) in
+    `qk_scale`. Shared by the one-stream and the batched kernels."""
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, BLOCK_S)
+    if DOT_F32:  # interpreter only: its tl.dot cannot multiply bf16/fp16
+        q = q.to(tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        pos = s0 + offs_s
+        s_mask = pos < end
+        kv_mask = s_mask[:, None]
+        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        # fp32 scale: under inductor a Python float argument arrives as fp64, which would
+        # promote the running max to fp64 (a loop-carried type change Triton rejects)
+        qk = tl.where(s_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: pos s0 is always valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attn_split_kernel(
     q_ptr,
     k_ptr,
@@ -125,37 +174,15 @@ def _attn_split_kernel(
         return  # beyond the length (or an empty window): nothing to read or write
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
-    offs_s = tl.arange(0, BLOCK_S)
     g_mask = offs_g < G
     heads = kv_head * G + offs_g
     q = tl.load(q_ptr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0)
-    if DOT_F32:  # interpreter only: its tl.dot cannot multiply bf16/fp16
-        q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_S):
-        pos = s0 + offs_s
-        s_mask = pos < end
-        kv_mask = s_mask[:, None]
-        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
-        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        # fp32 scale: under inductor a Python float argument arrives as fp64, which would
-        # promote the running max to fp64 (a loop-carried type change Triton rejects)
-        qk = tl.where(s_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: pos s0 is always valid
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = attend_range(
+        q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
+        G_PAD, D, BLOCK_S, PRECISION, DOT_F32,
+    )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if NUM_SPLITS == 1:
