@@ -8,7 +8,9 @@ Contract
   fine: any strides but a contiguous last dim); D == 128; at most 16 query heads per KV head.
 - lengths: [B] int32/int64 ON THE DEVICE, each row's valid positions (its current token
   included); `length_offset` is added on the device (a decoder passes its positions with 1).
-  A row reads nothing at or beyond its length; a row of length 0 gives zeros.
+  A row reads nothing at or beyond its length; a row of length 0 gives zeros. A length
+  above S_max is not caught (checking it would sync with the device): the caller keeps
+  its positions inside the cache (BatchedServer refuses a request that would not fit).
 - window > 0: each row attends to its last `window` positions only (sliding layers).
 - No host synchronisation, and a grid that depends only on the shapes (Hkv x splits x B), so
   a serving step captures it once per batch bucket and replays it for every mix of lengths.
