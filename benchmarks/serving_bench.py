@@ -62,7 +62,8 @@ NOT_BUILT = [
     "streaming Mimi decode with state carried across chunks (each chunk decodes on its own)",
     "the codec on its own CUDA stream or process (it runs between decode steps here)",
     "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
-    "OmniVoice serving",
+    "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
+    "N different requests through OmniVoiceFamily.synthesize_many)",
 ]
 
 

@@ -170,6 +170,30 @@ def test_fixed_length_policy_sets_duration(family, model):
     assert syn.frames == 30
 
 
+def test_requests_served_in_one_batch_keep_their_own_lengths(family, model):
+    """synthesize_many (serving): texts of other lengths in one generate() batch; with the
+    'per_char' policy each request has the frames it has alone, its own waveform, and the
+    batch one latency."""
+    wl = Workload.model_validate(
+        workload().model_dump() | {"length_policy": {"mode": "per_char", "frames_per_char": 1.0}}
+    )
+    texts = ["Short.", "A considerably longer request, to pad the batch to its length."]
+    served = family.synthesize_many(stock_engine(model), texts, 11, wl)
+    alone = [family.synthesize(stock_engine(model), t, 11, wl) for t in texts]
+    assert served.frames == [a.frames for a in alone] and alone[0].frames < alone[1].frames
+    assert [a.size for a in served.audio] == [a.audio.size for a in alone]
+    assert served.latency_s >= served.lm_s > 0 and served.audio_s > 0
+
+
+def test_serving_refuses_copies_and_mixed_operating_points(family, model):
+    copies = engine_for(family, model, {"name": "batch", "params": {"size": 2}})
+    with pytest.raises(ValueError, match="makes 2 copies of one"):
+        family.synthesize_many(copies, ["a", "b"], 11, workload())
+    mixed = workload(a=OperatingPoint(), d=OperatingPoint(mode="design", instruct="calm"))
+    with pytest.raises(ValueError, match="share an operating point"):
+        family.synthesize_many(stock_engine(model), [p.text for p in mixed.prompts], 11, mixed)
+
+
 # ------------------------------------------------------------------- bad input
 
 

@@ -219,3 +219,33 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
         assert lv["streams"] == lv["concurrency"] and lv["incomplete"] == 0
         assert lv["ttfa_p95_s"] > 0 and lv["audio_s"] == pytest.approx(lv["streams"] * 0.16)
     assert doc["environment"]["git_sha"] and doc["not_built"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--levels", "8,32"], "must include 1"),
+        (["--levels", "1,0"], "at least 1"),
+        (["--levels", "1,x"], "cannot read --levels"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+    ],
+)
+def test_omnivoice_serving_bench_refuses_bad_levels_before_building(
+    monkeypatch, capsys, argv, message
+):
+    import importlib.util
+    from pathlib import Path
+
+    import orchestrate.api.registry as registry
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(registry, "get_family", no_model)
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("ov_serving_bench", bench / "ov_serving_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err

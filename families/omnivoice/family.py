@@ -1,8 +1,10 @@
-"""The OmniVoice family's entry points for the worker: build, engine, one timed synthesis."""
+"""The OmniVoice family's entry points for the worker: build, engine, one timed synthesis, and
+several requests served in one batch (`synthesize_many`)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,23 @@ from orchestrate.families.omnivoice.model import OmniVoiceModel, build_model
 from orchestrate.families.omnivoice.presets import PRESETS
 from orchestrate.families.omnivoice.profile import slot_profile
 from orchestrate.families.omnivoice.requests import operating_point, request_kwargs
+
+
+@dataclass(frozen=True)
+class Served:
+    """One batch of requests served together (`synthesize_many`): they arrive together and
+    finish together, so each request's latency is the batch's."""
+
+    latency_s: float  # prompts -> every waveform on the CPU
+    lm_s: float
+    codec_s: float
+    frames: list[int]  # per request
+    audio: list[np.ndarray]  # per request
+    sample_rate: int
+
+    @property
+    def audio_s(self) -> float:
+        return sum(len(a) for a in self.audio) / self.sample_rate
 
 
 class OmniVoiceFamily(Family):
@@ -108,6 +127,54 @@ class OmniVoiceFamily(Family):
             forward_passes=steps,
             forward_bytes=nbytes,
             forward_flops=flops,
+        )
+
+    @torch.inference_mode()
+    def synthesize_many(
+        self, engine: Engine, texts: list[str], seed: int, workload: Workload
+    ) -> Served:
+        """Several requests in one generate() batch (the package pads its 2B CFG batch to
+        the longest row), for serving: each text its own length (the workload's length
+        policy, per text). Timer scope as `synthesize`: prompts -> every CPU waveform. One
+        seed for the batch: the package draws its noise from the global generator. The
+        texts share one operating point (mode, language, reference)."""
+        if engine.batch != 1:
+            raise ValueError(
+                f"synthesize_many serves different requests; the engine's `batch` technique "
+                f"makes {engine.batch} copies of one (leave it out of a serving stack)"
+            )
+        if not texts:
+            raise ValueError("synthesize_many needs at least one text")
+        model, ov = engine.model, engine.model.ov
+        points = [operating_point(workload, t) for t in texts]
+        if any(p != points[0] for p in points):
+            raise ValueError("the texts of one batch must share an operating point")
+        request = request_kwargs(points[0], model.sample_rate)
+        cfg = engine.config()
+        durations = []
+        for text in texts:
+            frames = workload.length_policy.frames_for(text)
+            durations.append(None if frames is None else frames / model.frame_rate)
+        torch.manual_seed(seed)
+        engine.passes.reset()
+        sync(model.device)
+        t0 = time.perf_counter()
+        task = ov._preprocess_all(
+            text=list(texts), preprocess_prompt=cfg.preprocess_prompt, duration=durations,
+            **request,
+        )  # fmt: skip
+        codes = engine.generate_codes(task, cfg)
+        sync(model.device)
+        t1 = time.perf_counter()
+        audios = engine.codec(engine, codes, list(task.ref_rms), cfg)
+        t2 = time.perf_counter()
+        return Served(
+            latency_s=t2 - t0,
+            lm_s=t1 - t0,
+            codec_s=t2 - t1,
+            frames=[_frames(c) for c in codes],
+            audio=[np.asarray(a, dtype=np.float32) for a in audios],
+            sample_rate=model.sample_rate,
         )
 
     def fidelity(
