@@ -171,6 +171,31 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.gpu
+def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
+    """attention='triton' (head_dim 128: the small-128 preset): one context bucket, graphs
+    per batch bucket replay the eager steps, rows refilled mid-run; and the SDPA path gives
+    the same tokens (float32, greedy)."""
+    gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    runs = []
+    for attention, graphs in (("triton", False), ("triton", True), ("sdpa", False)):
+        server = BatchedServer(
+            gpu_model, 2, 256, GREEDY, graphs=graphs, codec=False, attention=attention
+        )
+        if attention == "triton":
+            assert server.ctx_buckets == [256]
+        server.warm_up()
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        runs.append(server.tokens)
+    assert runs[0] == runs[1] == runs[2]
+
+
 def _bench():
     import importlib.util
     from pathlib import Path

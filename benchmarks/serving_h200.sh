@@ -1,0 +1,18 @@
+# Serving on the GPU in one device call (issue 34), from the repo root on the GPU host:
+#   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh
+#   bash benchmarks/serving_h200.sh            (about 9 minutes; carry omnivoice and pydub)
+# 1. the batched attention kernel compiled: its tests against the reference and the
+#    one-stream kernel, the serving step against SDPA, graphs against eager steps;
+# 2. the Rumik curve, masked SDPA (`ours`) and the batched kernel (`ours_triton`) in one run,
+#    one server at a time, baseline B at 32 streams;
+# 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved.
+set -o pipefail
+timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
+    -k "decode_attention or serving_step" 2>&1 | tee "$OUT/serving-gpu-tests.log" | tail -3
+timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serving.py 2>&1 \
+    | tee -a "$OUT/serving-gpu-tests.log" | tail -3
+timeout 270 python3 benchmarks/serving_bench.py --device cuda --attention sdpa,triton \
+    --levels "${LEVELS:-32,128,256,384,512,640}" --baseline-levels 32 --time-budget 250 \
+    --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
+timeout 120 python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \
+    --levels 1,8,32 --repeats 5 --out "$OUT/ov-serving.json" 2>&1 | tee "$OUT/ov-serving.log"
