@@ -31,7 +31,15 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting, next_pow2
-from .decode_attention import HEAD_DIM, LOG2E, MAX_GROUP, _check, _split_range, attend_range
+from .decode_attention import (
+    HEAD_DIM,
+    LOG2E,
+    MAX_GROUP,
+    _check,
+    _split_range,
+    attend_range,
+    merge_partials,
+)
 
 
 @triton.jit
@@ -116,19 +124,10 @@ def _batched_reduce_kernel(
     row = tl.program_id(1).to(tl.int64)
     _, _, n_active = _split_range(len_ptr + row, LEN_OFFSET, WINDOW, 0, NUM_SPLITS, BLOCK_S)
     offs_p = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D)
     p_mask = offs_p < n_active  # partials of empty splits were never written
-    part = (row * HQ + head) * NUM_SPLITS + offs_p
-    m = tl.load(ml_ptr + part * 2, mask=p_mask, other=float("-inf"))
-    l_part = tl.load(ml_ptr + part * 2 + 1, mask=p_mask, other=0.0)
-    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # length 0: every weight is 0
-    w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_part * w, axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    o = merge_partials(acc_ptr, ml_ptr, (row * HQ + head) * NUM_SPLITS + offs_p, p_mask, D)
+    o_ptrs = out_ptr + row * stride_ob + head * stride_oh + tl.arange(0, D)
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
 def batched_decode_attention(

@@ -197,6 +197,22 @@ def _attn_split_kernel(
 
 
 @triton.jit
+def merge_partials(acc_ptr, ml_ptr, part, p_mask, D: tl.constexpr):
+    """One head's output row from its splits' unnormalised partials (rows `part` where
+    `p_mask`), merged with log-sum-exp weights. Shared by the one-stream and batched kernels."""
+    offs_d = tl.arange(0, D)
+    m = tl.load(ml_ptr + part * 2, mask=p_mask, other=float("-inf"))
+    l_part = tl.load(ml_ptr + part * 2 + 1, mask=p_mask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # length 0: every weight is 0
+    w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l_part * w, axis=0)
+    return num / tl.where(den > 0, den, 1.0)
+
+
+@triton.jit
 def _attn_reduce_kernel(
     len_ptr,
     acc_ptr,
@@ -216,19 +232,9 @@ def _attn_reduce_kernel(
         tl.extra.cuda.gdc_wait()
     _, _, n_active = _split_range(len_ptr, LEN_OFFSET, WINDOW, 0, NUM_SPLITS, BLOCK_S)
     offs_p = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D)
     p_mask = offs_p < n_active  # partials of empty splits were never written
-    row = head * NUM_SPLITS + offs_p
-    m = tl.load(ml_ptr + row * 2, mask=p_mask, other=float("-inf"))
-    l_part = tl.load(ml_ptr + row * 2 + 1, mask=p_mask, other=0.0)
-    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # length 0: every weight is 0
-    w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_part * w, axis=0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    o = merge_partials(acc_ptr, ml_ptr, head * NUM_SPLITS + offs_p, p_mask, D)
+    tl.store(out_ptr + head * stride_oh + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------- torch side
