@@ -175,7 +175,7 @@ def test_requests_served_in_one_batch_keep_their_own_lengths(family, model):
     'per_char' policy each request has the frames it has alone, its own waveform, and the
     batch one latency."""
     wl = Workload.model_validate(
-        workload().model_dump() | {"length_policy": {"mode": "per_char", "frames_per_char": 1.0}}
+        workload().model_dump() | {"length_policy": {"mode": "per_char", "frames_per_char": 0.3}}
     )
     texts = ["Short.", "A considerably longer request, to pad the batch to its length."]
     served = family.synthesize_many(stock_engine(model), texts, 11, wl)
