@@ -485,7 +485,7 @@ def test_batched_decode_attention_rows_do_not_see_each_other() -> None:
 
 def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     """BatchedDecoder with attention='triton' against its SDPA path: three rows of other
-    prompt lengths (one past the sliding window), greedy, float32, four steps: the same
+    prompt lengths (one past twice the sliding window), greedy, float32, four steps: the same
     tokens at every step."""
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
@@ -495,16 +495,16 @@ def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     model = get_family("rumik").build_model(
         ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
     )
-    texts = ["Hi.", "A longer sentence, long enough to pass the sliding window of the model."]
-    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in [*texts, "Ok."]]
-    assert max(map(len, prompts)) > model.config.sliding_window
+    long = " ".join(["A longer sentence, to reach well past the sliding window."] * 3)
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long, "Ok."]]
+    assert max(map(len, prompts)) > 2 * model.config.sliding_window
     greedy = SamplingConfig(top_k=1)
     steps = []
     for attention in ("sdpa", "triton"):
-        dec = BatchedDecoder(model, 3, 160, greedy, attention)
+        dec = BatchedDecoder(model, 3, 256, greedy, attention)
         dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
         with torch.inference_mode():
-            steps.append([dec.step(3, 160).tolist() for _ in range(4)])
+            steps.append([dec.step(3, 256).tolist() for _ in range(4)])
     assert steps[0] == steps[1]
 
 
