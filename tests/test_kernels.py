@@ -486,7 +486,9 @@ def test_batched_decode_attention_rows_do_not_see_each_other() -> None:
 def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     """BatchedDecoder with attention='triton' against its SDPA path: three rows of other
     prompt lengths (one past twice the sliding window), greedy, float32, four steps: the same
-    tokens at every step."""
+    tokens at every step, and the same caches after them (each layer's keys and values
+    follow the attention below it, so a window or length fault shows there even where the
+    greedy tokens survive it)."""
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
@@ -499,13 +501,15 @@ def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long, "Ok."]]
     assert max(map(len, prompts)) > 2 * model.config.sliding_window
     greedy = SamplingConfig(top_k=1)
-    steps = []
+    steps, caches = [], []
     for attention in ("sdpa", "triton"):
         dec = BatchedDecoder(model, 3, 256, greedy, attention)
-        dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
         with torch.inference_mode():
+            dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
             steps.append([dec.step(3, 256).tolist() for _ in range(4)])
+        caches.append(torch.cat([dec.k, dec.v]))
     assert steps[0] == steps[1]
+    assert rel_err(caches[1], caches[0]) < 1e-5
 
 
 def test_batched_decode_attention_rejects_unsupported() -> None:
