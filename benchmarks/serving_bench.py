@@ -4,7 +4,7 @@ Builds the model once (random weights: `rumik-oss-1` bf16 on CUDA, `tiny` fp32 o
 then walks a curve of concurrency levels, ascending, interleaving at each level:
   ours       techniques/rumik/batched_server.py: continuous batching over a B-row static
              cache, per-row positions, seeded per-row top-k, a CUDA graph per (batch,
-             context) bucket captured before the first level, Mimi decode of each chunk;
+             context) bucket captured before the first level, streaming Mimi decode of each chunk;
   baseline B transformers generate() with a static cache (auto-compiled on CUDA) over one
              static batch of the level's streams (techniques/rumik/batched_baseline.py),
              at the levels in --baseline-levels only (each batch size compiles anew).
@@ -59,7 +59,6 @@ NOT_BUILT = [
     "server from techniques/rumik/batched_server.py directly)",
     "batched decode registered as technique plugins / stack YAML; runner workloads for sets",
     "the runner's refusal of a batched technique on a single-stream workload",
-    "streaming Mimi decode with state carried across chunks (each chunk decodes on its own)",
     "the codec on its own CUDA stream or process (it runs between decode steps here)",
     "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
     "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
@@ -280,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             "cuda_graphs": cuda and not args.no_graphs,
             "codec": "excluded"
             if args.no_codec
-            else "Mimi decode of each completed chunk, "
-            "batched across streams, each chunk decoded on its own (no streaming state)",
+            else "streaming Mimi decode of each completed chunk, batched across streams, "
+            "each stream's convolution tails, transformer window and position carried "
+            "(families/rumik/mimi_stream.py: the whole sequence's audio, rounding apart)",
             "head": "codebook head (APPROXIMATE: codebook step % 8 per row, 2,049 columns)",
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",

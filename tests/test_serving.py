@@ -3,6 +3,7 @@ load driver's figures and bad loads. CPU, tiny model, float32."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,8 +37,10 @@ def prompt(model, text: str) -> list[int]:
     return model.encode_prompt(build_prompt(text, "Ira", "neutral"))
 
 
-def serve(model, reqs: list[ServeRequest], rows: int, sampling: SamplingConfig) -> BatchedServer:
-    server = BatchedServer(model, rows, 256, sampling, graphs=False, codec=True)
+def serve(
+    model, reqs: list[ServeRequest], rows: int, sampling: SamplingConfig, **kw
+) -> BatchedServer:
+    server = BatchedServer(model, rows, 256, sampling, graphs=False, codec=True, **kw)
     waiting = list(reqs)
     while waiting or server.live():
         waiting = waiting[server.admit(waiting) :]
@@ -77,6 +80,25 @@ def test_each_row_matches_its_batch_one_run(model, sampling):
         alone = serve(model, [req], rows=1, sampling=sampling)
         assert together.tokens[req.key] == alone.tokens[req.key], req.key
         assert len(alone.tokens[req.key]) == req.frames * 8
+
+
+@pytest.mark.parametrize("chunk_frames", [1, 3])
+def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_frames):
+    """Streams in 2 rows for 4 requests (rows refilled mid-run, so the codec state is reset
+    for a new stream), decoded chunk by chunk as frames complete: each stream's audio equals
+    Mimi's decode of its whole code sequence. Decoding each chunk on its own, as this server
+    once did, is off by the audio's own scale at the chunk edges."""
+    reqs = [ServeRequest(k, prompt(model, t), 4 + k, seed=k) for k, t in enumerate(TEXTS)]
+    server = serve(model, reqs, 2, TOPK, keep_audio=True, chunk_frames=chunk_frames)
+    assert server.stats.prefills >= 3
+    for req in reqs:
+        got = np.concatenate(server.audio[req.key], axis=-1)
+        codes = server.frame_codes(np.array([server.tokens[req.key]]))
+        with torch.inference_mode():
+            whole = model.codec.decode(codes).audio_values[0].numpy()
+        assert got.shape == whole.shape == (1, (4 + req.key) * 1920)
+        scale = np.abs(whole).max()
+        assert np.abs(got - whole).max() <= 1e-5 * scale, req.key
 
 
 def test_seeds_change_the_draw(model):

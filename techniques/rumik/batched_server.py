@@ -10,9 +10,10 @@ The host loop, top to bottom, for one `step()`:
   5. every `chunk_frames` completed frames of a row are decoded by Mimi, batched across the
      rows that completed one this step, before the step reports those frames ready.
 
-Codec: each chunk is decoded on its own (Mimi's decoder keeps no streaming state across
-chunks here), so the cost is measured but the audio at chunk edges is not what a streaming
-decode would give. With `codec=False` frames are reported ready as soon as sampled.
+Codec: a streaming Mimi decode (families/rumik/mimi_stream.py) with one state row per
+cache row, reset when a request takes the row: a stream's chunks decode to the audio its
+whole code sequence decodes to, float rounding apart (tests/test_serving.py checks each
+finished stream). With `codec=False` frames are reported ready as soon as sampled.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from orchestrate.api.config import SamplingConfig
+from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 
@@ -81,12 +83,16 @@ class BatchedServer:
         max_prefill_tokens: int = 4096,
         ctx_stride: int = 128,
         attention: str = "sdpa",
+        keep_audio: bool = False,
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention)
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.codec_on, self.chunk_frames = codec, chunk_frames
+        self.stream = MimiStream(model.codec, rows) if codec else None
+        # key -> its decoded chunks, kept only when asked (tests; a server sends them on)
+        self.audio: dict[int, list[np.ndarray]] | None = {} if keep_audio else None
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
         # The kernel reads each row's own length: one context bucket (the whole cache) is all
@@ -134,6 +140,8 @@ class BatchedServer:
         self.row_key[:] = -1
         self.dec.active.zero_()
         self.tokens.clear()
+        if self.audio is not None:
+            self.audio.clear()
         self.stats = ServerStats()
 
     @torch.inference_mode()
@@ -164,6 +172,8 @@ class BatchedServer:
             self.row_pos[row] = len(req.prompt_ids) - 1
             self.row_count[row] = 0
             self.row_decoded[row] = 0
+        if self.stream is not None:
+            self.stream.reset(torch.tensor(rows))
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
         return len(take)
@@ -222,18 +232,27 @@ class BatchedServer:
             self.dec.active[torch.from_numpy(np.flatnonzero(done))] = 0
         return events
 
-    def _decode(self, rows: np.ndarray, first: np.ndarray, frames: np.ndarray) -> None:
-        """Mimi-decode each row's pending frames, batched by chunk length; waits for the
-        audio (its samples reach the host, as a server sends them)."""
+    def frame_codes(self, tokens: np.ndarray) -> torch.Tensor:
+        """Token ids [b, frames * 8] -> Mimi codes [b, 8, frames]: token i of a frame fills
+        codebook i % 8 (positional codes)."""
         vocab, pf = self.model.vocab, self.per_frame
+        toks = torch.from_numpy(tokens)
+        codes = (toks - vocab.first_unit_id).clamp(0, vocab.num_units - 1) // pf
+        return codes.view(len(toks), -1, pf).transpose(1, 2)
+
+    def _decode(self, rows: np.ndarray, first: np.ndarray, frames: np.ndarray) -> None:
+        """Stream-decode each row's pending frames, batched by chunk length; waits for the
+        audio (its samples reach the host, as a server sends them)."""
+        assert self.stream is not None
+        pf = self.per_frame
         for n in np.unique(frames):
             sel = frames == n
             idx = first[sel, None] * pf + np.arange(n * pf)[None, :]
-            toks = torch.from_numpy(self.row_tokens[rows[sel, None], idx])
-            # positional codes: token i fills codebook i % 8 of its frame
-            codes = (toks - vocab.first_unit_id).clamp(0, vocab.num_units - 1) // pf
-            codes = codes.view(len(toks), int(n), pf).transpose(1, 2)
-            self.model.codec.decode(codes.to(self.model.device)).audio_values.float().cpu()
+            codes = self.frame_codes(self.row_tokens[rows[sel, None], idx])
+            audio = self.stream.decode(torch.from_numpy(rows[sel]), codes).float().cpu()
+            if self.audio is not None:
+                for row, chunk in zip(rows[sel], audio.numpy(), strict=True):
+                    self.audio.setdefault(int(self.row_key[row]), []).append(chunk)
 
     # ---------------------------------------------------------------- graphs
 
