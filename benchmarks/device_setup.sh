@@ -1,7 +1,7 @@
 # Prepare a bare, offline GPU host for this project. Source it from the repo root (export
 # ORCHESTRATE_CODE_SHA=$(git rev-parse HEAD) first: the copied tree has no .git to read):
 #   source benchmarks/device_setup.sh
-# Carried wheels (.whl/: pydantic, sqlalchemy, alembic, mako, ...) go to /tmp/site; the project
+# Carried wheels (.whl/, filled here by benchmarks/device_wheels.sh) go to /tmp/site; the project
 # itself is installed editable so its entry points (technique plugins) register.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
