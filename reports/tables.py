@@ -45,6 +45,18 @@ COLUMNS = [
     (HEADLINE, "speedup", ""),  # header and cell: headline_label, headline_cell
     (AGGREGATE, AGGREGATE_LABEL, "{:.2f}x"),
 ]
+# A serving workload's figures (running/serving.py DEFINITIONS): per stream, not per utterance.
+SERVING_COLUMNS = [
+    ("serve.streams", "streams", "{:.0f}"),
+    ("serve.served", "served (no late chunk)", "{:.0f}"),
+    ("serve.behind", "behind", "{:.0f}"),
+    ("serve.incomplete", "incomplete", "{:.0f}"),
+    ("serve.ttfa_p50_s", "first audio p50 s", "{:.3f}"),
+    ("serve.ttfa_p95_s", "first audio p95 s", "{:.3f}"),
+    ("serve.ttfa_p99_s", "first audio p99 s", "{:.3f}"),
+    ("serve.rtf_p95", "stream RTF p95", "{:.3f}"),
+    ("serve.audio_s_per_s", "audio s/s (all streams)", "{:.2f}"),
+]
 # What a fidelity figure covers, unless the family says (a `fidelity_covers` attribute):
 # the teacher-forced pass runs the model's step (decoder, projections, attention, head),
 # never the sampler or the generation loop; those get tests of their own only where a
@@ -212,10 +224,12 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
 
     Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
     declared `baseline: true`) appear when some stack has them."""
+    present = {k for s in stacks for k in s.get("metrics", {})}
+    if "serve.streams" in present:
+        return serving_table(title, stacks)
     table = ReadableTable(title=title)
     table.add_column("stack")
     table.add_column("status")
-    present = {k for s in stacks for k in s.get("metrics", {})}
     refs = sorted(
         k.removeprefix(f"{HEADLINE}_vs_") for k in present if k.startswith(f"{HEADLINE}_vs_")
     )
@@ -252,6 +266,21 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
         status += " · INVALID" if invalid_reasons(m, s.get("invalid_reason")) else ""
         status += " · same audio" if m.get(SAME_AUDIO) else ""
         table.add_row(s["name"], status, *cells, valid, exact_cell(s))
+    return table
+
+
+def serving_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
+    """A serving run's stacks: streams served in real time, first audio, throughput."""
+    table = ReadableTable(title=title)
+    table.add_column("stack")
+    table.add_column("status")
+    for _, header, _ in SERVING_COLUMNS:
+        table.add_column(header, justify="right")
+    table.add_column("exact")
+    for s in stacks:
+        m = s.get("metrics", {})
+        cells = [fmt.format(m[key]) if key in m else "-" for key, _, fmt in SERVING_COLUMNS]
+        table.add_row(s["name"], s["status"], *cells, exact_cell(s))
     return table
 
 

@@ -3,6 +3,8 @@ load driver's figures and bad loads. CPU, tiny model, float32."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -296,3 +298,105 @@ def test_omnivoice_serving_bench_refuses_bad_levels_before_building(
     spec.loader.exec_module(mod)
     assert mod.main(["--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ through the runner
+
+
+def cli_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
+    """`orchestrate run` on a serving workload: the family builds the server from the
+    stack's `server` slot, the worker drives the load, and the store keeps per-stream
+    figures as `serve.*` metrics; every stream's record is in `<stack>/serving.json`."""
+    import json
+
+    from factories import run_cli
+
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    out = run_cli(
+        ["run", "--stack", "rumik-batched", "--workload", "serve-smoke", "--db", db,
+         "--runs-dir", str(tmp_path / "runs"), "--no-mlflow", "--json"],
+        cli_env(), Path.cwd(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run = json.loads(out.stdout)  # the stored run, as `orchestrate show --json` reads it
+    (stack,) = run["stacks"]
+    m = stack["metrics"]
+    assert m["serve.streams"] == 3 and m["serve.incomplete"] == 0
+    assert m["serve.served"] + m["serve.behind"] == 3
+    assert m["serve.ttfa_p50_s"] > 0 and m["serve.audio_s_per_s"] > 0
+    (level,) = (tmp_path / "runs").glob("*/rumik-batched/serving.json")
+    doc = json.loads(level.read_text())
+    assert doc["load_label"] == "3 concurrent streams"
+    assert [s["frames"] for s in doc["per_stream"]] == [4, 4, 4]
+    assert "streaming Mimi" in doc["server"]["codec"] and "ttfa_s" in doc["definitions"]
+
+
+LOADS = {
+    "zero": ("load: {concurrency: 0, frames: 4}", "rumik-batched", "greater than or equal to 1"),
+    "rate-no-duration": ("load: {rate: 2.0, frames: 4}", "rumik-batched", "without a duration_s"),
+    "beyond-rows": (
+        "load: {concurrency: 200, frames: 4}",
+        "rumik-batched",
+        "200 concurrent streams exceed its 128 cache rows",
+    ),
+    "single-stream": ("", "rumik-batched", "is single-stream (it has no `load:`)"),
+    "no-server": ("load: {concurrency: 2, frames: 4}", "exp74", "no technique that serves many"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOADS))
+def test_bad_serving_input_is_one_line_and_exit_2_before_any_model(tmp_path, case):
+    """A concurrency of zero or beyond the cache's rows, a rate without a duration, a
+    batched technique on a single-stream workload, a serving workload on a stack that
+    cannot serve: one line each, exit 2, nothing built (no worker ran: no runs folder)."""
+    from factories import run_cli
+
+    load, stack, message = LOADS[case]
+    (tmp_path / "wl.yaml").write_text(
+        "name: wl\nprompts:\n- {id: a1, text: A short line to speak.}\n" + load + "\n"
+    )
+    out = run_cli(
+        ["run", "--stack", stack, "--workload", str(tmp_path / "wl.yaml"),
+         "--db", f"sqlite:///{tmp_path / 'o.db'}", "--runs-dir", str(tmp_path / "runs"),
+         "--no-mlflow"],
+        cli_env(), tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["noise"], ["gate", "--stack", "exp74"], ["explore", "--from", "stock"]],
+    ids=["noise", "gate", "explore"],
+)
+def test_per_utterance_commands_refuse_a_serving_workload(tmp_path, command):
+    """Noise, gates and explorations compare per-utterance speed; a serving workload has
+    none to compare: refused by name, exit 2, nothing stored."""
+    from factories import run_cli
+
+    db = tmp_path / "o.db"
+    out = run_cli(
+        [*command, "--workload", "serve-smoke", "--db", f"sqlite:///{db}"], cli_env(), tmp_path
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"`orchestrate {command[0]}` compares per-utterance speed" in out.stderr
+    assert "serving workload (3 concurrent streams)" in out.stderr
+    assert not db.exists()
+
+
+def test_explorations_are_not_offered_the_serving_technique():
+    """Proposers read this catalogue; a batched_decode candidate on a single-stream workload
+    would only be refused at planning."""
+    from orchestrate.explore.state import technique_catalogue
+
+    offered = technique_catalogue("rumik")
+    assert "batched_decode" not in offered and "graph_loop" in offered

@@ -12,6 +12,8 @@ Slots, in the order data flows through one decode step:
   sampler        logits -> one token id
   loop           the whole token loop (host loop, or one that runs on the device)
   launch         how kernel-calling parts launch their kernels (LaunchOptions)
+  server         many streams at once (serving workloads only): a factory building a
+                 server that admits and steps many streams (None in stock: one at a time)
 
 The stock engine is the family's default parts, so "stock" is a stack with no techniques
 and every technique is a diff against it. A technique replaces only the slots it declares
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,7 @@ from orchestrate.families.rumik.model import RumikModel
 
 SLOTS = (
     "decoder", "decoder_class", "projections", "attention", "head", "sampler", "loop", "launch",
+    "server",
 )  # fmt: skip
 
 
@@ -169,6 +172,7 @@ class Engine:
     loop: Loop
     decoder_class: DecoderClass | None = None
     launch: LaunchOptions = field(default_factory=LaunchOptions)
+    server: ServerFactory | None = None
     filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
 
     def new_decoder(self, max_seq_len: int) -> Decoder:
@@ -184,6 +188,15 @@ class Engine:
 
     def stop_probability(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.model.stop_head(hidden).float())
+
+
+class ServerFactory(Protocol):
+    """(engine, cache positions per row, sampling, frames per audio chunk) -> a server of
+    many streams (api.family.StreamServer, with `warm_up() -> int`)."""
+
+    def __call__(
+        self, engine: Engine, max_seq_len: int, sampling: SamplingConfig, chunk_frames: int
+    ) -> Any: ...
 
 
 # ------------------------------------------------------------------- stock parts

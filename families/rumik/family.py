@@ -9,9 +9,9 @@ import torch
 
 from orchestrate.api.config import ModelSpec, Workload
 from orchestrate.api.device import sync
-from orchestrate.api.family import Family, Synthesis
+from orchestrate.api.family import Family, Serving, StreamRequest, Synthesis
 from orchestrate.api.records import FidelityRecord
-from orchestrate.api.technique import BuiltStack
+from orchestrate.api.technique import BuiltStack, Refused
 from orchestrate.families.rumik import fidelity
 from orchestrate.families.rumik.engine import (
     SLOTS,
@@ -27,11 +27,13 @@ from orchestrate.families.rumik.profile import slot_profile
 from orchestrate.families.rumik.vocab import build_prompt
 
 SAMPLE_RATE = 24_000
+TOKENS_PER_S = 100  # 8 codebook tokens per 80 ms Mimi frame
 
 
 class RumikFamily(Family):
     name = "rumik"
     slots = SLOTS
+    serving_baseline = "rumik-batched"
     presets = tuple(PRESETS)
     summary = "Rumik OSS 1: Cohere2 codec LM (8 Mimi codebooks per 80 ms frame) + Mimi decoder"
 
@@ -139,6 +141,43 @@ class RumikFamily(Family):
             stop_reason=gen.stop_reason,
             audio=audio.numpy().astype(np.float32),
             sample_rate=SAMPLE_RATE,
+        )
+
+    def serving(self, engine: Engine, workload: Workload, streams: int) -> Serving:
+        """Stream i speaks prompt i % P with seed (i // P) % S of the workload, for the
+        load's fixed number of frames; the server comes from the `server` slot."""
+        load = workload.load
+        if load is None or engine.server is None:
+            raise Refused("serving needs a serving workload and a stack that fills `server`")
+        model = engine.model
+        if workload.voice not in model.voices:
+            raise ValueError(f"unknown voice {workload.voice!r}; this model has {model.voices}")
+        ids = {
+            p.id: model.encode_prompt(build_prompt(p.text, workload.voice, workload.delivery))
+            for p in workload.prompts
+        }
+        n_prompts, seeds = len(workload.prompts), workload.seeds
+        requests = [
+            StreamRequest(
+                key=i,
+                prompt_ids=ids[workload.prompts[i % n_prompts].id],
+                frames=load.frames,
+                seed=seeds[(i // n_prompts) % len(seeds)],
+            )
+            for i in range(streams)
+        ]
+        per_frame = model.vocab.num_quantizers
+        longest = max(len(v) for v in ids.values())
+        server = engine.server(
+            engine, longest + load.frames * per_frame, workload.sampling, load.chunk_frames
+        )
+        return Serving(
+            server=server,
+            requests=requests,
+            frames=[load.frames] * streams,
+            frame_s=per_frame / TOKENS_PER_S,
+            warm_up=server.warm_up,
+            described=server.described(),
         )
 
     def fidelity(

@@ -170,6 +170,51 @@ class OperatingPoint(Strict):
         return self
 
 
+MAX_STREAMS, MAX_SERVE_S = 65536, 3600.0
+
+
+class ServingLoad(Strict):
+    """Many streams at once: N arriving together (`concurrency`) or Poisson arrivals at
+    `rate` per second for `duration_s`. A workload with a load is a serving workload: its
+    stacks need a technique that serves many streams (Rumik: `batched_decode`), and its
+    figures are per stream (time to first audio, underruns, served) instead of per
+    utterance. Streams take the workload's prompts and seeds in turn."""
+
+    concurrency: int | None = Field(None, ge=1, le=MAX_STREAMS)
+    rate: float | None = Field(None, gt=0, description="Poisson arrivals per second.")
+    duration_s: float | None = Field(None, gt=0, le=MAX_SERVE_S, description="Arrivals stop after.")
+    frames: int = Field(80, ge=1, le=MAX_FRAMES, description="Audio frames (80 ms) per stream.")
+    chunk_frames: int = Field(1, ge=1, le=MAX_FRAMES, description="Frames per audio chunk sent.")
+    time_limit_s: float = Field(
+        300.0,
+        gt=0,
+        le=MAX_SERVE_S,
+        description="A stack's level stops here; late streams: incomplete.",
+    )
+    arrival_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds the Poisson arrivals.")
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> ServingLoad:
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give either a concurrency or an arrival rate, not both")
+        if self.rate is not None and self.duration_s is None:
+            raise ValueError(f"arrival rate {self.rate:g}/s given without a duration_s")
+        if self.rate is None and self.duration_s is not None:
+            raise ValueError(f"a duration_s ({self.duration_s:g} s) needs an arrival rate")
+        if self.rate is None and self.concurrency is None:
+            raise ValueError("a load needs a concurrency or an arrival rate")
+        return self
+
+    def label(self) -> str:
+        if self.rate is not None:
+            return f"Poisson {self.rate:g}/s for {self.duration_s:g} s"
+        return f"{self.concurrency} concurrent streams"
+
+    def most_streams(self) -> int | None:
+        """Streams that can be live at once, where the load fixes it (concurrency)."""
+        return self.concurrency
+
+
 class Workload(Strict):
     name: str = Field(description="Names its files (holdout, reports): a safe name.")
     prompts: list[Prompt] = Field(min_length=1, max_length=MAX_PROMPTS)
@@ -186,6 +231,9 @@ class Workload(Strict):
         default_factory=dict,
         description="Named request classes with weights; S = sum(weight x median RTF).",
     )
+    load: ServingLoad | None = Field(
+        None, description="Many streams at once (a serving workload); none: one at a time."
+    )
     measure_ttfa: bool = Field(
         True,
         description="Also time each prompt to its first decoded 80 ms frame (a one-frame "
@@ -197,6 +245,16 @@ class Workload(Strict):
     @classmethod
     def _safe_name(cls, name: str) -> str:
         return safe_name("workload name", name)
+
+    def single_stream(self, command: str) -> Workload:
+        """This workload, if it is one stream at a time; ConfigError naming `command`
+        otherwise (noise, gates and explorations compare per-utterance speed)."""
+        if self.load is not None:
+            raise ConfigError(
+                f"`{command}` compares per-utterance speed; workload {self.name!r} is a "
+                f"serving workload ({self.load.label()}): measure it with `orchestrate run`"
+            )
+        return self
 
     @field_validator("prompts")
     @classmethod

@@ -20,8 +20,9 @@ import abc
 import fnmatch
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -124,6 +125,43 @@ class Synthesis:
     forward_flops: float | None = None
 
 
+@dataclass
+class StreamRequest:
+    """One stream of a serving workload: its prompt's token ids, how many frames it should
+    produce (None: until the model stops it) and its sampling seed."""
+
+    key: int
+    prompt_ids: list[int]
+    frames: int | None
+    seed: int
+
+
+class StreamServer(Protocol):
+    """What the worker's load driver steps (running/serving.py `drive`): rows free for new
+    streams, live streams, admission, and one step returning events with `.key`,
+    `.frames_ready` (audio ready so far) and `.done`."""
+
+    def free_rows(self) -> int: ...
+    def live(self) -> int: ...
+    def admit(self, reqs: list[Any]) -> int: ...
+    def step(self) -> list[Any]: ...
+
+
+@dataclass
+class Serving:
+    """A family's server for one serving workload, ready to be driven: the requests in
+    arrival order, the frames each should produce, one frame's audio seconds, `warm_up`
+    (graph capture and the like, untimed; returns what it captured) and what the server
+    does, in words, for the record."""
+
+    server: StreamServer
+    requests: list[StreamRequest]
+    frames: list[int]
+    frame_s: float
+    warm_up: Callable[[], int]
+    described: dict[str, str]
+
+
 class Family(abc.ABC):
     """A model family: subclass, fill the class attributes, implement the five calls."""
 
@@ -134,6 +172,9 @@ class Family(abc.ABC):
     presets: ClassVar[tuple[str, ...]] = ()  # configs/models/<preset>.yaml of this family
     baseline: ClassVar[str] = "stock"  # the stack `orchestrate run` compares against
     workload: ClassVar[str] = "smoke"  # the workload `orchestrate run` uses by default
+    # The baseline of a serving workload (one with a `load:`), whose stacks must all serve
+    # many streams; None: the family serves one stream at a time.
+    serving_baseline: ClassVar[str | None] = None
     summary: ClassVar[str] = ""
 
     @classmethod
@@ -185,6 +226,12 @@ class Family(abc.ABC):
         {} (this default) means "not profiled", never "free". See orchestrate.api.slot_clock.
         """
         return {}
+
+    def serving(self, engine: Any, workload: Workload, streams: int) -> Serving:
+        """A server over `engine` for `streams` streams of `workload` (which has a `load`).
+        Families that serve many streams override this; the planner has already refused a
+        serving workload on a stack without a technique that serves (`serves_streams`)."""
+        raise Refused(f"the {self.name} family has no serving path (one stream at a time only)")
 
     @abc.abstractmethod
     def build_model(self, spec: ModelSpec) -> Any:

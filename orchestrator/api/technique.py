@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from orchestrate.api.config import StackSpec
+from orchestrate.api.config import StackSpec, Workload
 
 # Profile entries that are not slots: `Technique.reduces` may name only these. HOST: the
 # time per step the GPU sits idle (explore.state.profile_of).
@@ -75,6 +75,10 @@ class Technique(abc.ABC):
     # library's generate()), so no other technique's slot would be used: it is refused in
     # any stack with others rather than measured as if they ran.
     stands_alone: ClassVar[bool] = False
+    # True for a technique that makes the engine serve many streams at once (a batched
+    # server): it belongs only in stacks run on a serving workload (one with a `load:`),
+    # and a serving workload's stacks each need one (running/plan.py refuses both mistakes).
+    serves_streams: ClassVar[bool] = False
     Params: ClassVar[type[TechniqueParams]] = TechniqueParams
 
     def __init__(self, params: TechniqueParams):
@@ -88,6 +92,12 @@ class Technique(abc.ABC):
 
         For conflicts that depend on parameters, e.g. two ways of capturing one graph.
         """
+        return None
+
+    @classmethod
+    def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
+        """Why this technique cannot run `workload` with these params (a serving load
+        beyond its rows, say); checked when the job is planned, before any model is built."""
         return None
 
     @abc.abstractmethod

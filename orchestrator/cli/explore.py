@@ -348,7 +348,7 @@ def _dev_workload(name: str) -> Workload:
     from orchestrate.api import sealed
 
     try:
-        dev = load_workload(name)
+        dev = load_workload(name).single_stream("orchestrate explore")
     except ConfigError as exc:
         if "sealed_holdout" in str(exc) or "prompts" in str(exc):
             raise ConfigError(f"workload {name!r} has no development prompts ({exc})") from exc

@@ -85,7 +85,14 @@ def plan_cli_job(
         _check_options(device=device, dtype=dtype, fidelity_steps=fidelity_steps)
         spec = load_model_spec(model, device=device, dtype=dtype)
         family = get_family(spec.family)
-        baseline, workload = baseline or family.baseline, workload or family.workload
+        work = load_workload(workload or family.workload)
+        if baseline is None:  # a serving workload's stacks all serve: so must its baseline
+            baseline = family.serving_baseline if work.load else family.baseline
+        if baseline is None:
+            raise ConfigError(
+                f"workload {work.name!r} serves many streams and the {family.name} family "
+                "names no serving baseline: give one with --baseline"
+            )
         stacks = [load_stack(baseline)]
         for name in stack:
             candidate = load_stack(name)
@@ -100,7 +107,7 @@ def plan_cli_job(
                 stacks.append(candidate)
         job = plan_job(
             spec,
-            load_workload(workload),
+            work,
             stacks,
             load_protocol(protocol),
             runs_dir,

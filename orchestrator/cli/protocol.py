@@ -116,7 +116,7 @@ def noise(
         current = load_protocol(protocol)
         spec = load_model_spec(model)
         family = get_family(spec.family)  # its baseline and workload are the defaults
-        dev = load_workload(workload or family.workload)
+        dev = load_workload(workload or family.workload).single_stream("orchestrate noise")
         base = load_stack(stack or family.baseline)
     except (ConfigError, StackError) as exc:
         fail(str(exc))
@@ -350,6 +350,7 @@ def gate(
         current = load_protocol(protocol)
         spec, cand = load_model_spec(model), load_stack(stack)
         dev = load_workload(workload or get_family(spec.family).workload)
+        dev.single_stream("orchestrate gate")
     except (ConfigError, StackError) as exc:
         fail(str(exc))
     store = open_store(db)

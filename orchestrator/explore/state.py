@@ -21,7 +21,9 @@ HOST_WALL, GPU_BUSY = "ms_per_token", "gpu_busy_ms_per_step"  # a step is a toke
 
 
 def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
-    """This family's usable techniques, as proposers read them."""
+    """This family's usable techniques, as proposers read them. An exploration compares
+    per-utterance speed, so techniques that serve many streams (serving workloads only)
+    are not offered."""
     return {
         name: {
             "summary": cls.summary,
@@ -36,7 +38,7 @@ def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
             "params_schema": cls.Params.model_json_schema(),
         }
         for name, cls in sorted(catalogue().techniques.items())
-        if cls.family == family
+        if cls.family == family and not cls.serves_streams
     }
 
 

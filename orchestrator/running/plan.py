@@ -18,7 +18,7 @@ from orchestrate.api.config import ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import JobSpec
 from orchestrate.api.registry import StackError, build_stack, technique_code
-from orchestrate.api.technique import DeviceCaps
+from orchestrate.api.technique import BuiltStack, DeviceCaps
 from orchestrate.running.environment import code_state
 
 
@@ -49,7 +49,8 @@ def plan_job(
             raise StackError(
                 f"stack {stack.name!r} is for {stack.family!r}; model is {model.family!r}"
             )
-        build_stack(stack, caps, strict=strict)  # raises on anything invalid
+        built = build_stack(stack, caps, strict=strict)  # raises on anything invalid
+        check_serving(stack.name, built, workload)
     if fidelity_steps < 0:  # before pydantic, whose message would name a model, not an option
         raise ValueError(f"fidelity steps must be >= 0, got {fidelity_steps}")
     code = code_state()  # everything that changes the measurement is part of the identity
@@ -68,6 +69,29 @@ def plan_job(
         sealed_file=ref,
     )
     return job.model_copy(update={"output_dir": str(output_root / job.job_id)})
+
+
+def check_serving(stack: str, built: BuiltStack, workload: Workload) -> None:
+    """A serving workload (one with a `load:`) needs a technique that serves many streams
+    in every stack, and such a technique belongs on no other workload; each technique may
+    refuse the load itself (more streams than its rows)."""
+    servers = [t.name for t in built.techniques if t.serves_streams]
+    if workload.load is None and servers:
+        raise StackError(
+            f"stack {stack!r}: {servers[0]} serves many streams at once, but workload "
+            f"{workload.name!r} is single-stream (it has no `load:`); run it on a serving "
+            "workload, e.g. --workload serve-smoke"
+        )
+    if workload.load is not None and not servers:
+        raise StackError(
+            f"stack {stack!r} cannot serve workload {workload.name!r} "
+            f"({workload.load.label()}): it has no technique that serves many streams "
+            "(rumik: batched_decode)"
+        )
+    for technique in built.techniques:
+        why = technique.check_workload(technique.params, workload)
+        if why:
+            raise StackError(f"stack {stack!r}: {technique.name}: {why}")
 
 
 def prefix_stack(spec: StackSpec, n: int) -> StackSpec:

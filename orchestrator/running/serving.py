@@ -6,17 +6,20 @@ second over `duration_s`. `drive` feeds arrivals to a server (anything shaped li
 ready. `summarise` turns those timestamps into the deployer's figures: a stream starts
 playing at its first chunk, chunk k is due at first_chunk_ready + k * chunk duration, and a
 stream counts as served only if every chunk was ready by its due time and it completed.
-Nothing here knows a model family; the server does.
+Nothing here knows a model family; the server does. `serve_stack` is the worker's serving
+job for one stack: the family builds the server (`Family.serving`), this drives it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -205,3 +208,45 @@ def summarise(records: list[StreamRecord], frame_s: float, chunk_frames: int) ->
         "audio_s_per_s": audio_s / span if span else None,
         "per_stream": streams,
     }
+
+
+def serve_stack(
+    family: Any, engine: Any, workload: Any, out_file: Path
+) -> tuple[dict[str, float], float]:
+    """One run of `workload.load` on one stack's engine: the server's warm-up (graph capture;
+    untimed), the load driven to its end or its time limit, the level summarised.
+
+    Returns the `serve.*` metrics (unrounded; definitions in DEFINITIONS, written beside
+    them) and the warm-up's seconds; every stream's figures go to `out_file` as JSON."""
+    load = workload.load
+    shape = Load(load.concurrency, load.rate, load.duration_s)
+    arrived = arrivals(shape, load.arrival_seed)
+    if not arrived:
+        raise LoadError(
+            f"{load.label()} brought no stream (arrival seed {load.arrival_seed}): raise the "
+            "rate or the duration"
+        )
+    setup = family.serving(engine, workload, len(arrived))
+    t0 = time.perf_counter()
+    captured = setup.warm_up()
+    warm_s = time.perf_counter() - t0
+    records, wall_s = drive(setup.server, setup.requests, arrived, setup.frames, load.time_limit_s)
+    level = summarise(records, setup.frame_s, load.chunk_frames)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "load": load.model_dump(mode="json"),
+        "load_label": load.label(),
+        "server": setup.described,
+        "graphs_captured": captured,
+        "wall_s": wall_s,
+        "definitions": DEFINITIONS,
+        **level,
+    }
+    out_file.write_text(json.dumps(doc, indent=1))
+    metrics = {
+        f"serve.{key}": float(value)
+        for key, value in level.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    metrics["serve.wall_s"] = wall_s
+    return metrics, warm_s

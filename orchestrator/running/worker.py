@@ -46,6 +46,7 @@ from orchestrate.api.records import JobSpec, ResultRecord, StackResult, Utteranc
 from orchestrate.api.registry import StackError, build_stack, get_family
 from orchestrate.api.technique import DeviceCaps, Refused
 from orchestrate.running import environment, guards
+from orchestrate.running import serving as serving_job
 from orchestrate.running.audio import integrity, write_wav
 from orchestrate.running.gpu_memory import StackMemory
 from orchestrate.running.metrics import point_metrics, summarize
@@ -272,11 +273,14 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
         )
 
     wl = sealed.resolve(job.workload, job.sealed_file)  # holdout texts: in memory only
+    serving = wl.load is not None  # many streams at once: per-stream figures, no utterances
     _fault("warmup", out_dir)
-    _warm_up(family, engines, results, wl, per_stack)
+    if not serving:
+        _warm_up(family, engines, results, wl, per_stack)
     memory("warmed up")
     _fault("fidelity", out_dir)
-    if job.fidelity_steps and engines:
+    # Serving stacks' exactness is their own tests' (each row against its batch-one run).
+    if job.fidelity_steps and engines and not serving:
         emit("status", message="teacher-forced fidelity against stock")
         # A report, not a reason to lose the timings; a failure is its stack's own error.
         found, errors = guards.fidelity_per_stack(
@@ -289,7 +293,8 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             emit("status", message=f"fidelity failed for {name}: {why}")
 
     memory("fidelity done")
-    pairs = list(itertools.product(wl.prompts, wl.seeds))
+    served = _serve(family, engines, results, wl, out_dir, per_stack) if serving else {}
+    pairs = [] if serving else list(itertools.product(wl.prompts, wl.seeds))
     total = len(pairs) * len(engines)
     carried = _carry(job, results)
     done, timed = len(carried), 0
@@ -332,8 +337,10 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
     for res in results.values():  # carried and new in the rotation's order
         res.utterances.sort(key=lambda u: u.round)
 
-    launches = _launch_metrics(family, engines, results, wl, device, job.count_launches)
-    slot_ms = _slot_metrics(job, family, engines, results, wl)
+    launches = (
+        {} if serving else _launch_metrics(family, engines, results, wl, device, job.count_launches)
+    )
+    slot_ms = {} if serving else _slot_metrics(job, family, engines, results, wl)
     env = environment.capture(job.model.device, family.config_hash(model), _dtype(job))
     env = env.model_copy(update={"model_reused": reused, "model_build_s": build_s})
     for name, res in results.items():
@@ -345,6 +352,7 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
             res.metrics.update(slot_ms.get(name, {}))
             res.metrics.update(_forward_metrics(res, env))
             res.metrics.update(per_stack.metrics(name))
+            res.metrics.update(served.get(name, {}))
         res.audio_independent_of_input = prints.find(name)
         guards.mark(res)  # faster than its floor: invalid; every guard's verdict in metrics
     statuses = {r.status for r in results.values()}
@@ -363,6 +371,41 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
         environment=env,
         results=[results[s.name] for s in job.stacks],
     )
+
+
+def _serve(
+    family: Any,
+    engines: dict[str, Any],
+    results: dict[str, StackResult],
+    wl: Any,
+    out_dir: Path,
+    per_stack: StackMemory,
+) -> dict[str, dict[str, float]]:
+    """The workload's load on each stack in turn (one server in memory at a time): its
+    `serve.*` metrics by stack; each stack's streams in `<stack>/serving.json`."""
+    out: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(engines):
+        emit("status", message=f"serving {wl.load.label()} on {name}")
+        try:
+            with per_stack.timing(name):
+                out[name], results[name].warmup_s = serving_job.serve_stack(
+                    family, engines[name], wl, inside(out_dir, Path(name) / "serving.json")
+                )
+        except Exception as exc:
+            results[name].status = "failed"
+            results[name].error = f"serving {wl.load.label()}: {_describe(exc)}"
+            continue
+        release()  # the server's cache and graphs go before the next stack's
+        m = out[name]
+        served, streams = int(m.get("serve.served", 0)), int(m.get("serve.streams", 0))
+        ttfa = m.get("serve.ttfa_p95_s")
+        ttfa_text = "none" if ttfa is None else f"{ttfa:.3f} s"
+        emit(
+            "status",
+            message=f"served {name} ({i + 1}/{len(engines)}): {served}/{streams} streams with "
+            f"no late chunk, first audio p95 {ttfa_text}",
+        )
+    return out
 
 
 def _carry(job: JobSpec, results: dict[str, StackResult]) -> set[tuple[str, str, int]]:

@@ -5,7 +5,7 @@ What a deployer gets without a serving engine: the prompts go in as one batch, t
 decodes in lockstep until the longest stream is done, and nothing joins until then. A
 streamer (transformers' BaseStreamer) sees each step's tokens as generate() produces them,
 so frames are timestamped as they complete and Mimi decodes each chunk the same way the
-batched server does (each chunk on its own, batched across the streams). The streamer's
+batched server does (streaming, each stream's codec state carried: mimi_stream.py). The streamer's
 `.cpu()` of every step's tokens is generate()'s own code: one host copy per step, which
 generate() without a streamer would not make.
 
@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from orchestrate.api.config import SamplingConfig
 from orchestrate.families.rumik.engine import cache_arg
+from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.hf_loop import AudioOnly
 
@@ -33,8 +34,10 @@ from orchestrate.techniques.rumik.hf_loop import AudioOnly
 class _FrameClock(BaseStreamer):
     """Timestamps every completed chunk of the batch (after its codec decode)."""
 
-    def __init__(self, model: RumikModel, chunk_frames: int, codec: bool, t0: float):
-        self.model, self.chunk_frames, self.codec, self.t0 = model, chunk_frames, codec, t0
+    def __init__(
+        self, model: RumikModel, chunk_frames: int, stream: MimiStream | None, t0: float
+    ):
+        self.model, self.chunk_frames, self.stream, self.t0 = model, chunk_frames, stream, t0
         self.per_frame = model.vocab.num_quantizers
         self.prompt_seen = False
         self.steps: list[torch.Tensor] = []  # [B] token ids per step
@@ -56,12 +59,12 @@ class _FrameClock(BaseStreamer):
         frames = len(self.steps) // self.per_frame
         if frames <= self.decoded:
             return
-        if self.codec:
+        if self.stream is not None:
             a, b = self.decoded * self.per_frame, frames * self.per_frame
             toks = torch.stack(self.steps[a:b], dim=1)  # [B, tokens]
             codes = [self.model.vocab.positional_codes(row.tolist())[0] for row in toks]
-            codes_t = torch.stack(codes).to(self.model.device)
-            self.model.codec.decode(codes_t).audio_values.float().cpu()
+            rows = torch.arange(len(toks))
+            self.stream.decode(rows, torch.stack(codes)).float().cpu()
         now = time.perf_counter() - self.t0
         self.ready_s.extend([now] * (frames - self.decoded))
         self.decoded = frames
@@ -71,6 +74,7 @@ class StaticBatchBaseline:
     def __init__(self, model: RumikModel, batch: int, prompt_len: int, tokens: int):
         self.model, self.batch, self.tokens = model, batch, tokens
         self.cache = StaticCache(config=model.lm.config, max_cache_len=prompt_len + tokens)
+        self.stream = MimiStream(model.codec, batch)
 
     def _generate(
         self,
@@ -123,6 +127,8 @@ class StaticBatchBaseline:
         torch.manual_seed(seed)  # generate() draws from the global RNG
         ids = torch.tensor([prompt_ids] * self.batch, device=self.model.device)
         sync()
-        clock = _FrameClock(self.model, chunk_frames, codec, time.perf_counter())
+        self.stream.reset(torch.arange(self.batch))
+        stream = self.stream if codec else None
+        clock = _FrameClock(self.model, chunk_frames, stream, time.perf_counter())
         out = self._generate(ids, self.tokens, sampling, clock)
         return clock.ready_s, out[:, len(prompt_ids) :]

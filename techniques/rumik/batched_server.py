@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from orchestrate.api.config import SamplingConfig
+from orchestrate.api.family import StreamRequest
 from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
@@ -34,12 +35,7 @@ class ServingError(ValueError):
     """A request or load the server cannot take (checked before work starts)."""
 
 
-@dataclass
-class ServeRequest:
-    key: int
-    prompt_ids: list[int]
-    frames: int | None  # None: the model decides (stop head / end token), up to max_tokens
-    seed: int
+ServeRequest = StreamRequest  # key, prompt ids, frames (None: the model stops it), seed
 
 
 @dataclass
@@ -110,6 +106,27 @@ class BatchedServer:
         self.row_decoded = np.zeros(rows, dtype=np.int64)  # its frames handed to the codec
         self.row_tokens = np.zeros((rows, sampling.max_new_tokens), dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # finished request key -> its token ids
+
+    def described(self) -> dict[str, str]:
+        """What this server does, in words, for the record."""
+        graphs = "a CUDA graph per (batch, context) bucket, captured in warm_up"
+        return {
+            "server": f"continuous batching over {self.rows} cache rows: a freed row takes "
+            "the next waiting stream while the others decode; prefill eager, at most "
+            f"{self.max_prefill_tokens} prompt tokens per admission",
+            "step": graphs if self.graphs_on else "eager steps",
+            "attention": "the batched decode-attention kernel, each row over its own filled "
+            "positions"
+            if self.dec.attention is not None
+            else "SDPA over the context bucket with a per-row boolean mask",
+            "head": "codebook head (APPROXIMATE: codebook step % 8 per row)",
+            "sampler": "top-k via Gumbel-max with hashed per-row noise (stock's top-k "
+            "distribution, another random stream)",
+            "codec": "streaming Mimi decode of each completed chunk, batched across streams, "
+            "state carried per row"
+            if self.codec_on
+            else "excluded",
+        }
 
     @property
     def rows(self) -> int:

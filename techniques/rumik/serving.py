@@ -1,0 +1,79 @@
+"""batched_decode: the engine serves many streams at once (serving workloads only).
+
+Fills the `server` slot with a factory for techniques/rumik/batched_server.py's
+continuous-batching server: a static cache of `rows` rows with per-row positions, seeded
+per-row top-k, a CUDA graph per batch bucket (captured in the untimed warm-up), streaming
+Mimi decode per chunk. The worker drives it with the workload's load and records per-stream
+figures (running/serving.py). APPROXIMATE: the codebook head is restricted to codebook
+step % 8 per row (codebook_head's), and the sampler draws stock's top-k distribution from
+another random stream; each row's tokens equal its batch-one run (tests/test_serving.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from orchestrate.api.config import SamplingConfig, Workload
+from orchestrate.api.technique import Refused, Technique, TechniqueParams
+from orchestrate.families.rumik.engine import Engine
+
+
+class BatchedDecodeParams(TechniqueParams):
+    rows: int = Field(64, ge=1, le=4096, description="Cache rows: streams live at once.")
+    attention: Literal["sdpa", "triton"] = Field(
+        "sdpa",
+        description="sdpa: masked SDPA over the context bucket (any device); triton: the "
+        "batched decode-attention kernel, each row over its own positions (CUDA).",
+    )
+    graphs: bool = Field(True, description="A CUDA graph per batch bucket (CUDA only).")
+    max_prefill_tokens: int = Field(
+        4096, ge=1, le=1 << 20, description="Prompt tokens prefilled per admission, at most."
+    )
+
+
+class BatchedDecode(Technique):
+    name = "batched_decode"
+    family = "rumik"
+    exact = False  # the codebook head (step % 8) and another random stream: see above
+    slots = ("server",)
+    serves_streams = True
+    summary = "serve many streams: continuous batching over a row-per-stream static cache"
+    Params = BatchedDecodeParams
+
+    @classmethod
+    def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
+        assert isinstance(params, BatchedDecodeParams)
+        load = workload.load
+        if load is not None and load.concurrency and load.concurrency > params.rows:
+            return (
+                f"{load.concurrency} concurrent streams exceed its {params.rows} cache rows "
+                "(raise rows: or lower the concurrency)"
+            )
+        return None
+
+    def apply(self, engine: Engine) -> None:
+        params = self.params
+        assert isinstance(params, BatchedDecodeParams)
+        if params.attention == "triton" and engine.model.device.type != "cuda":
+            raise Refused("batched_decode with attention 'triton' needs a CUDA device")
+
+        def build(
+            engine: Engine, max_seq_len: int, sampling: SamplingConfig, chunk_frames: int
+        ) -> Any:
+            from orchestrate.techniques.rumik.batched_server import BatchedServer
+
+            return BatchedServer(
+                engine.model,
+                params.rows,
+                max_seq_len,
+                sampling,
+                graphs=params.graphs,
+                codec=True,
+                chunk_frames=chunk_frames,
+                max_prefill_tokens=params.max_prefill_tokens,
+                attention=params.attention,
+            )
+
+        engine.server = build
