@@ -55,10 +55,10 @@ CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
 PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
 
 NOT_BUILT = [
-    "a family call on the Family API that serves a set of requests (the benchmark builds the "
-    "server from techniques/rumik/batched_server.py directly)",
-    "batched decode registered as technique plugins / stack YAML; runner workloads for sets",
-    "the runner's refusal of a batched technique on a single-stream workload",
+    "this curve through the runner: `orchestrate run` serves one load per job through "
+    "Family.serving (batched_decode, a workload's load:); this benchmark walks many levels "
+    "and baseline B in one process, building the server directly",
+    "baseline B as a technique (it is a static batch, not a stepped server)",
     "the codec on its own CUDA stream or process (it runs between decode steps here)",
     "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
     "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
