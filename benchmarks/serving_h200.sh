@@ -5,7 +5,9 @@
 #    one-stream kernel, the serving step against SDPA, graphs against eager steps;
 # 2. the Rumik curve, masked SDPA (`ours`) and the batched kernel (`ours_triton`) in one run,
 #    one server at a time, baseline B at 32 streams;
-# 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved.
+# 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved;
+# 4. the serving workload through the runner (rumik-batched against rumik-batched-640 on
+#    serve-gpu: 128 streams arriving together), stored, its table and serving.json kept.
 set -o pipefail
 timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     -k "decode_attention or serving_step" 2>&1 | tee "$OUT/serving-gpu-tests.log" | tail -3
@@ -16,3 +18,8 @@ timeout 270 python3 benchmarks/serving_bench.py --device cuda --attention sdpa,t
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 timeout 120 python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \
     --levels 1,8,32 --repeats 5 --out "$OUT/ov-serving.json" 2>&1 | tee "$OUT/ov-serving.log"
+rm -f /tmp/serve.db
+timeout 240 python3 -m orchestrate.cli run --stack rumik-batched-640 --workload serve-gpu \
+    --model rumik-oss-1 --device cuda --db sqlite:////tmp/serve.db --runs-dir /tmp/serve-runs \
+    --no-mlflow --json > "$OUT/serve-run.json" 2> "$OUT/serve-run.log"
+tail -3 "$OUT/serve-run.log"
