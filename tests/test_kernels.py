@@ -388,15 +388,18 @@ def test_decode_attention_window_equals_slice() -> None:
     assert rel_err(windowed, sliced) < 1e-5
 
 
-def test_decode_attention_length_is_read_on_device() -> None:
-    """One launch configuration, lengths changed in device memory (as graph replays do)."""
+@pytest.mark.parametrize("splits", [4, 1], ids=["split", "single-pass"])
+def test_decode_attention_length_is_read_on_device(splits: int) -> None:
+    """One launch configuration, lengths changed in device memory (as graph replays do).
+    The output starts as NaN each time: length 0 must write its zeros, in both variants."""
     q = randn(16, 128)
     k, v = randn(4, 192, 128), randn(4, 192, 128)
     length = dev_int(0)
     out = torch.empty_like(q)
     for n in (0, 5, 64, 191):
         length.fill_(n)
-        attn.decode_attention(q, k, v, length, out=out, num_splits=4, block_s=16)
+        out.fill_(float("nan"))
+        attn.decode_attention(q, k, v, length, out=out, num_splits=splits, block_s=16)
         if n:
             assert rel_err(out, attn.decode_attention_ref(q, k, v, n)) < 1e-5
         else:

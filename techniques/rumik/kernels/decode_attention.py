@@ -170,12 +170,18 @@ def _attn_split_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q, the cache write and the length come from earlier kernels
     start, end, _ = _split_range(len_ptr, LEN_OFFSET, WINDOW, split, NUM_SPLITS, BLOCK_S)
-    if start >= end:
-        return  # beyond the length (or an empty window): nothing to read or write
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     g_mask = offs_g < G
     heads = kv_head * G + offs_g
+    if start >= end:
+        # Beyond the length: nothing to read. Split runs leave the output to the reduce,
+        # which writes zeros at length 0; the single pass writes the contract's zeros itself.
+        if NUM_SPLITS == 1:
+            zeros = tl.zeros((G_PAD, D), dtype=out_ptr.dtype.element_ty)
+            o_ptrs = out_ptr + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, zeros, mask=g_mask[:, None])
+        return
     q = tl.load(q_ptr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
