@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from orchestrate.api.config import ModelSpec
+from orchestrate.api.config import ModelSpec, without_pydantic_detail
 from orchestrate.api.registry import get_family
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def view_from_store(store: Store, exploration: str, baseline: str) -> Exploratio
             change=c["change"],
             proposer=c["proposer"],
             decision=c["decision"] or c["status"],
-            reason=c["reason"] or c["proposal_reason"] or "",
+            reason=without_pydantic_detail(c["reason"] or c["proposal_reason"] or ""),
             headline=c["headline"],
             lo=c["headline_lo"],
             hi=c["headline_hi"],

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from factories import run_cli as cli
 from factories import stack_result
+from pydantic import ValidationError
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
 from orchestrate.api.proposer import ExplorationState, Proposal, Proposer, ProposerError, Tried
@@ -679,6 +680,39 @@ def test_a_crashing_proposer_is_ledgered_and_the_others_go_on(
     assert any(c["proposer"] == "scripted" and c["decision"] == "drop" for c in rows)
     assert "every proposer is exhausted" in why
     assert sum("the proposer fell over" in f["detail"] for f in store.list_failures()) == 2
+
+
+class Malformed(Proposer):
+    name = "malformed"
+
+    def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
+        StackSpec(name="x" * 120, family="rumik", techniques=[])  # raises: name too long
+        return []
+
+
+def test_a_proposer_failing_validation_is_ledgered_in_words(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ledger line names the field and the rule, without pydantic's [type=...] detail
+    and link; a reason stored before (raw pydantic text) reads the same on the page."""
+    from orchestrate.api.config import without_pydantic_detail
+
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate(accept=False))
+    ex = explorer(store, tmp_path, [Malformed(), Scripted([["audio_head"]])], patience=10)
+    ex.run()
+    failed = [c for c in store.list_candidates(ex.id) if c["proposer"] == "malformed"]
+    assert failed and all(c["decision"] == "error" for c in failed)
+    reason = failed[0]["reason"]
+    assert "invalid StackSpec: name: stack name 'xxx" in reason and "not a safe name" in reason
+    assert "[type=" not in reason and "pydantic.dev" not in reason
+    try:
+        StackSpec(name="x" * 120, family="rumik", techniques=[])
+    except ValidationError as exc:
+        raw = f"proposer malformed failed: ValidationError: {exc}"
+    cleaned = without_pydantic_detail(raw)
+    assert "pydantic.dev" in raw and "[type=" in raw
+    assert "pydantic.dev" not in cleaned and "[type=" not in cleaned
+    assert "is not a safe name" in cleaned
 
 
 def test_stops_on_patience_and_on_budget(

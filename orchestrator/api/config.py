@@ -371,6 +371,17 @@ def explain(exc: ValidationError) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+_PYDANTIC_TAIL = re.compile(
+    r"\s*\[type=[^\]]*\]\s*(For further information visit https://errors\.pydantic\.dev/\S+)?"
+)
+
+
+def without_pydantic_detail(text: str) -> str:
+    """`text` with pydantic's `[type=..., input_value=...]` and documentation link cut out:
+    reasons stored before they were worded by `explain` read as sentences too."""
+    return _PYDANTIC_TAIL.sub("", text)
+
+
 def one_line(text: str, limit: int = 200) -> str:
     """`text`'s first line, at most `limit` characters: errors never echo a whole file."""
     line = (text.strip().splitlines() or [""])[0]

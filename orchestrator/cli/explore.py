@@ -26,6 +26,7 @@ from orchestrate.api.config import (
     load_model_spec,
     load_stack,
     load_workload,
+    without_pydantic_detail,
 )
 from orchestrate.api.protocol import Protocol, load_protocol
 from orchestrate.api.registry import StackError, build_stack, get_family
@@ -531,7 +532,8 @@ def show_exploration(row: dict[str, Any]) -> None:
             _headline(c["vs_parent"], c["vs_parent_lo"], c["vs_parent_hi"]),
             _headline(c["headline"], c["headline_lo"], c["headline_hi"]),
             c["decision"] or f"open ({c['phase']})",
-            c["reason"] or "",  # whole: why a stack was retained is what a reader wants
+            # whole: why a stack was retained is what a reader wants
+            without_pydantic_detail(c["reason"] or ""),
         )
     console.print(table)
     champion = row["champion"]["name"]

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload
+from pydantic import ValidationError
+
+from orchestrate.api.config import ConfigError, ModelSpec, StackSpec, Workload, explain
 from orchestrate.api.proposer import Decision, Proposal, Proposer, ProposerError, refused_here
 from orchestrate.api.protocol import Protocol, ProtocolError, phase_workload
 from orchestrate.api.records import JobSpec, utcnow
@@ -768,7 +770,10 @@ class Explorer:
     def _proposer_failed(self, name: str, exc: BaseException) -> None:
         """A crash, timeout or malformed output: ledgered, and the exploration goes on."""
         self.failures[name] = self.failures.get(name, 0) + 1
-        why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ProposerError) else str(exc)
+        if isinstance(exc, ValidationError):  # a malformed stack: its fields, in words
+            why = f"invalid {exc.title}: {explain(exc)}"
+        else:
+            why = str(exc) if isinstance(exc, ProposerError) else f"{type(exc).__name__}: {exc}"
         cand = self.s.store.add_candidate(
             self.id,
             proposer=name,
