@@ -5,7 +5,9 @@
 # the manual gpu-explore protocol (EXPLORE_FAMILY=omnivoice: ov-explore's workload and
 # protocol, e.g. EXPLORE_PROPOSERS="--proposer ladder --proposer params" ... --from ov-a). The database comes back whole ($OUT/explore.db: every
 # candidate, run, decision and holdout audit); WAVs stay behind (too many files for one
-# call), so the report made from it says it has no listening pack.
+# call), so a report made from that database elsewhere has no listening pack. The page made
+# here ($OUT/explore-report.html, `orchestrate report`) embeds the clips of the runs this
+# call made (a champion from an earlier call has its clips on that call's host only).
 db=/tmp/explore.db
 # EXPLORE_DB: a recorded exploration's database to go on with (`--resume ID --budget T`).
 [ -n "$EXPLORE_DB" ] && cp "$EXPLORE_DB" "$db"
@@ -26,6 +28,11 @@ timeout "${EXPLORE_TIMEOUT:-560}" python3 -m orchestrate.cli explore "${args[@]}
     --db "sqlite:///$db" --runs-dir /tmp/explore-runs 2>&1 | tee "$OUT/explore.log"
 python3 -m orchestrate.cli explorations --db "sqlite:///$db" 2>&1 | tee -a "$OUT/explore.log"
 cp "$db" "$OUT/explore.db"
+exploration=$2  # --resume ID; else the newest (this call's)
+[ "$1" = "--resume" ] || exploration=$(python3 -m orchestrate.cli explorations \
+    --db "sqlite:///$db" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)[0]["id"])')
+python3 -m orchestrate.cli report "$exploration" --db "sqlite:///$db" \
+    --out "$OUT/explore-report.html" 2>&1 | tail -1
 tail -5 /tmp/explore-runs/*/worker.log > "$OUT/explore-workers.log" 2>/dev/null
 # Each job's events (timestamped: where a job's minutes go), also of a job the timeout cut;
 # one archive, as a device call returns at most 8 files.
