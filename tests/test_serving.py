@@ -95,7 +95,7 @@ def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_fr
     assert server.stats.prefills >= 3
     for req in reqs:
         got = np.concatenate(server.audio[req.key], axis=-1)
-        codes = server.frame_codes(np.array([server.tokens[req.key]]))
+        codes = model.vocab.positional_codes(server.tokens[req.key])
         with torch.inference_mode():
             whole = model.codec.decode(codes).audio_values[0].numpy()
         assert got.shape == whole.shape == (1, (4 + req.key) * 1920)

@@ -76,9 +76,13 @@ class AudioVocab:
         both assemblers give the same frames.
         """
         n = len(tokens) // self.num_quantizers * self.num_quantizers
-        ids = torch.tensor(tokens[:n], dtype=torch.long)
-        codes = (ids - self.first_unit_id).clamp(0, self.num_units - 1) // self.num_quantizers
-        return codes.view(-1, self.num_quantizers).T.unsqueeze(0)
+        return self.positional_codes_rows(torch.tensor([tokens[:n]], dtype=torch.long))
+
+    def positional_codes_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`positional_codes` of each row of `tokens` [rows, frames * Q] (whole frames):
+        [rows, Q, frames], for streams decoded together."""
+        codes = (tokens - self.first_unit_id).clamp(0, self.num_units - 1) // self.num_quantizers
+        return codes.view(len(tokens), -1, self.num_quantizers).transpose(1, 2)
 
 
 def build_prompt(text: str, voice: str, delivery: str | None) -> str:

@@ -34,9 +34,7 @@ from orchestrate.techniques.rumik.hf_loop import AudioOnly
 class _FrameClock(BaseStreamer):
     """Timestamps every completed chunk of the batch (after its codec decode)."""
 
-    def __init__(
-        self, model: RumikModel, chunk_frames: int, stream: MimiStream | None, t0: float
-    ):
+    def __init__(self, model: RumikModel, chunk_frames: int, stream: MimiStream | None, t0: float):
         self.model, self.chunk_frames, self.stream, self.t0 = model, chunk_frames, stream, t0
         self.per_frame = model.vocab.num_quantizers
         self.prompt_seen = False
@@ -62,9 +60,8 @@ class _FrameClock(BaseStreamer):
         if self.stream is not None:
             a, b = self.decoded * self.per_frame, frames * self.per_frame
             toks = torch.stack(self.steps[a:b], dim=1)  # [B, tokens]
-            codes = [self.model.vocab.positional_codes(row.tolist())[0] for row in toks]
-            rows = torch.arange(len(toks))
-            self.stream.decode(rows, torch.stack(codes)).float().cpu()
+            codes = self.model.vocab.positional_codes_rows(toks)
+            self.stream.decode(torch.arange(len(toks)), codes).float().cpu()
         now = time.perf_counter() - self.t0
         self.ready_s.extend([now] * (frames - self.decoded))
         self.decoded = frames

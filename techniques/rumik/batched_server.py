@@ -249,14 +249,6 @@ class BatchedServer:
             self.dec.active[torch.from_numpy(np.flatnonzero(done))] = 0
         return events
 
-    def frame_codes(self, tokens: np.ndarray) -> torch.Tensor:
-        """Token ids [b, frames * 8] -> Mimi codes [b, 8, frames]: token i of a frame fills
-        codebook i % 8 (positional codes)."""
-        vocab, pf = self.model.vocab, self.per_frame
-        toks = torch.from_numpy(tokens)
-        codes = (toks - vocab.first_unit_id).clamp(0, vocab.num_units - 1) // pf
-        return codes.view(len(toks), -1, pf).transpose(1, 2)
-
     def _decode(self, rows: np.ndarray, first: np.ndarray, frames: np.ndarray) -> None:
         """Stream-decode each row's pending frames, batched by chunk length; waits for the
         audio (its samples reach the host, as a server sends them)."""
@@ -265,7 +257,8 @@ class BatchedServer:
         for n in np.unique(frames):
             sel = frames == n
             idx = first[sel, None] * pf + np.arange(n * pf)[None, :]
-            codes = self.frame_codes(self.row_tokens[rows[sel, None], idx])
+            toks = torch.from_numpy(self.row_tokens[rows[sel, None], idx])
+            codes = self.model.vocab.positional_codes_rows(toks)
             audio = self.stream.decode(torch.from_numpy(rows[sel]), codes).float().cpu()
             if self.audio is not None:
                 for row, chunk in zip(rows[sel], audio.numpy(), strict=True):
