@@ -192,7 +192,8 @@ class Engine:
 
 class ServerFactory(Protocol):
     """(engine, cache positions per row, sampling, frames per audio chunk) -> a server of
-    many streams (api.family.StreamServer, with `warm_up() -> int`)."""
+    many streams (api.family.StreamServer, with `warm_up() -> int`, the graphs it captured,
+    and `described() -> dict[str, str]`, what it does in words)."""
 
     def __call__(
         self, engine: Engine, max_seq_len: int, sampling: SamplingConfig, chunk_frames: int

@@ -210,10 +210,6 @@ class ServingLoad(Strict):
             return f"Poisson {self.rate:g}/s for {self.duration_s:g} s"
         return f"{self.concurrency} concurrent streams"
 
-    def most_streams(self) -> int | None:
-        """Streams that can be live at once, where the load fixes it (concurrency)."""
-        return self.concurrency
-
 
 class Workload(Strict):
     name: str = Field(description="Names its files (holdout, reports): a safe name.")
