@@ -20,6 +20,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from orchestrate.api.config import ModelSpec, without_pydantic_detail
 from orchestrate.api.registry import get_family
+from orchestrate.reports.listening import LEVEL_NOTE, listening_clip
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
@@ -49,6 +50,7 @@ class Clip:
     label: str  # "en01 · seed 42"
     reference: str  # base64 WAV of the root stack
     champion: str  # base64 WAV of the champion
+    flags: list[str] = field(default_factory=list)  # clipping, non-finite samples as generated
 
 
 @dataclass
@@ -73,6 +75,7 @@ class ExplorationView:
     listening_notes: list[str] = field(default_factory=list)
     caveats: list[str] = field(default_factory=list)
     root_headline: float | None = None  # the root's paired speedup vs stock, if measured
+    environment: list[tuple[str, str]] = field(default_factory=list)  # of its newest run
     frontier_png: str | None = None
     ladder_png: str | None = None
 
@@ -112,10 +115,6 @@ def save_figures(view: ExplorationView, folder: Path, stem: str) -> list[Path]:
             path.write_bytes(base64.b64decode(png))
             out.append(path)
     return out
-
-
-def wav_base64(path: Path) -> str:
-    return base64.b64encode(path.read_bytes()).decode("ascii")
 
 
 def _measured(view: ExplorationView) -> list[Node]:
@@ -257,7 +256,22 @@ def view_from_store(store: Store, exploration: str, baseline: str) -> Exploratio
         caveats=caveats,
         # Before any accept the champion is the root, so its headline is the root's.
         root_headline=None if ladder else row["champion_headline"],
+        environment=_environment(store, cands),
     )
+
+
+def _environment(store: Store, cands: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Where the exploration ran: its newest run's device, host, versions, date and commit."""
+    from orchestrate.reports.run_page import environment_rows
+
+    for run_id in reversed([r for c in cands for r in c["run_ids"]]):
+        try:
+            row = store.get_run(run_id, utterances=False)
+        except LookupError:
+            continue
+        if row.get("environment"):
+            return [("from run", run_id[:12]), *environment_rows(row, row["environment"])]
+    return []
 
 
 def _listening(
@@ -285,9 +299,12 @@ def _listening(
             pb = root / b.audio_path if b.audio_path else None
             if pa and pb and pa.is_file() and pb.is_file():
                 label = f"{a.prompt_id} · seed {a.seed}"
-                clips.append(Clip(label, wav_base64(pa), wav_base64(pb)))
+                ca, cb = listening_clip(pa), listening_clip(pb)
+                pairs = ((baseline, ca), (champion, cb))
+                flags = [f"{label} · {name}: {f}" for name, c in pairs for f in c.flags]
+                clips.append(Clip(label, ca.wav_base64, cb.wav_base64, flags))
         if clips:
-            return clips, [f"From run {run_id[:12]}."]
+            return clips, [f"From run {run_id[:12]}.", LEVEL_NOTE]
     if not runs:
         return [], ["No accepted candidate: the champion is the root, nothing to compare."]
     return [], ["The champion's runs kept no recordings on this machine (WAVs not copied)."]

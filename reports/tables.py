@@ -219,17 +219,29 @@ def environment_line(env: Mapping[str, Any] | None) -> str:
 
 def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: float = 0.95) -> Table:
     """stacks: [{name, status, exact, spec, fidelity, metrics: {...}, skipped: {...}}],
-    baseline first. The speedup column is the stored headline (paired, with its CI); the
-    aggregate RTF ratio stands beside it, labelled as such.
+    baseline first, as a terminal table (`stack_cells` says what each column holds)."""
+    headers, rows = stack_cells(stacks, confidence)
+    table = ReadableTable(title=title)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < 2 or i == len(headers) - 1 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def stack_cells(
+    stacks: list[dict[str, Any]], confidence: float = 0.95
+) -> tuple[list[str], list[list[str]]]:
+    """The stacks table's headers and cells, for the terminal and the report page alike (one
+    definition of every printed figure). The speedup column is the stored headline (paired,
+    with its CI); the aggregate RTF ratio stands beside it, labelled as such. A serving run's
+    stacks get the serving columns instead.
 
     Columns a run has only sometimes (OmniVoice's S, speedups against a second baseline
     declared `baseline: true`) appear when some stack has them."""
     present = {k for s in stacks for k in s.get("metrics", {})}
     if "serve.streams" in present:
-        return serving_table(title, stacks)
-    table = ReadableTable(title=title)
-    table.add_column("stack")
-    table.add_column("status")
+        return _serving_cells(stacks)
     refs = sorted(
         k.removeprefix(f"{HEADLINE}_vs_") for k in present if k.startswith(f"{HEADLINE}_vs_")
     )
@@ -243,10 +255,10 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
             ("forward_fraction_of_floor", "fwd of floor", "{:.0%}"),
         ]
     columns += [(f"{HEADLINE}_vs_{r}", f"vs {r} (paired)", "") for r in refs]
-    for key, header, _ in columns:
-        table.add_column(headline_label(confidence) if key == HEADLINE else header, justify="right")
-    table.add_column("valid", justify="right")
-    table.add_column("exact")
+    headers = ["stack", "status"]
+    headers += [headline_label(confidence) if k == HEADLINE else h for k, h, _ in columns]
+    headers += ["valid", "exact"]
+    rows = []
     for i, s in enumerate(stacks):
         m = s.get("metrics", {})
         cells = []
@@ -265,23 +277,18 @@ def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: flo
         status += " · noisy" if noise_reasons(s["name"], m) else ""
         status += " · INVALID" if invalid_reasons(m, s.get("invalid_reason")) else ""
         status += " · same audio" if m.get(SAME_AUDIO) else ""
-        table.add_row(s["name"], status, *cells, valid, exact_cell(s))
-    return table
+        rows.append([s["name"], status, *cells, valid, exact_cell(s)])
+    return headers, rows
 
 
-def serving_table(title: str | None, stacks: list[dict[str, Any]]) -> Table:
-    """A serving run's stacks: streams served in real time, first audio, throughput."""
-    table = ReadableTable(title=title)
-    table.add_column("stack")
-    table.add_column("status")
-    for _, header, _ in SERVING_COLUMNS:
-        table.add_column(header, justify="right")
-    table.add_column("exact")
+def _serving_cells(stacks: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["stack", "status", *(h for _, h, _ in SERVING_COLUMNS), "exact"]
+    rows = []
     for s in stacks:
         m = s.get("metrics", {})
         cells = [fmt.format(m[key]) if key in m else "-" for key, _, fmt in SERVING_COLUMNS]
-        table.add_row(s["name"], s["status"], *cells, exact_cell(s))
-    return table
+        rows.append([s["name"], s["status"], *cells, exact_cell(s)])
+    return headers, rows
 
 
 def fidelity_scope(family: str | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -18,8 +19,11 @@ from orchestrate.reports.exploration_page import (
     Node,
     render,
     save_figures,
-    wav_base64,
 )
+
+
+def wav_base64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode("ascii")
 
 
 def _wav(path: Path, freq: float) -> Path:
@@ -104,28 +108,38 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _loaded(page: Path) -> tuple[int, int]:
-    """(players, players whose audio decoded) after the page ran in headless Chromium."""
+def _chromium_dom(page: Path, screenshot: Path | None = None) -> str:
+    """The page's DOM after it ran in headless Chromium (and its screenshot, if asked)."""
     browser = _chromium()
     if browser is None:
         if os.environ.get("ORCHESTRATE_REQUIRE_QUALITY") == "1":
             pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
         pytest.skip("chromium is not installed")
+    flags = [
+        browser,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--virtual-time-budget=5000",
+    ]
+    if screenshot is not None:
+        shot = [*flags, "--window-size=1280,2000", f"--screenshot={screenshot}"]
+        subprocess.run(
+            [*shot, page.resolve().as_uri()], capture_output=True, timeout=120, check=True
+        )
     out = subprocess.run(
-        [
-            browser,
-            "--headless=new",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--virtual-time-budget=5000",
-            "--dump-dom",
-            page.resolve().as_uri(),
-        ],
+        [*flags, "--dump-dom", page.resolve().as_uri()],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
-    ).stdout
+    )
+    return out.stdout
+
+
+def _loaded(page: Path) -> tuple[int, int]:
+    """(players, players whose audio decoded) after the page ran in headless Chromium."""
+    out = _chromium_dom(page)
     body = re.search(r'<body data-players="(\d+)" data-loaded="(\d+)"', out)
     assert body, f"the page's script did not run: {out[:300]!r}"
     return int(body.group(1)), int(body.group(2))

@@ -1,7 +1,10 @@
 """Waveform checks and a float32 WAV writer that needs only the standard library.
 
 The GPU worker has no soundfile; float32 WAV keeps the samples as generated (16-bit PCM
-would clip and quantise them before the integrity and quality scorers see them).
+would clip and quantise them before the integrity and quality scorers see them). The file
+is what the WAVE spec asks of a non-PCM format: an 18-byte fmt chunk (cbSize 0) and a fact
+chunk with the sample count, so sox, libsndfile and browsers read it without a warning.
+What people listen to is made from it by `reports/listening.py` (16-bit PCM, level set).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ CLIP_LEVEL = 0.999
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
     data = np.ascontiguousarray(audio, dtype="<f4").reshape(-1)
     payload = data.tobytes()
-    header = b"RIFF" + struct.pack("<I", 36 + len(payload)) + b"WAVE"
-    # fmt chunk: format 3 = IEEE float, mono, 32 bits per sample
-    fmt = struct.pack("<HHIIHH", 3, 1, sample_rate, sample_rate * 4, 4, 32)
-    header += b"fmt " + struct.pack("<I", len(fmt)) + fmt
-    header += b"data" + struct.pack("<I", len(payload))
+    # fmt: format 3 = IEEE float, mono, 32 bits per sample, cbSize 0 (no extension)
+    fmt = struct.pack("<HHIIHHH", 3, 1, sample_rate, sample_rate * 4, 4, 32, 0)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    chunks += b"fact" + struct.pack("<II", 4, data.size)  # samples per channel
+    chunks += b"data" + struct.pack("<I", len(payload))
+    header = b"RIFF" + struct.pack("<I", 4 + len(chunks) + len(payload)) + b"WAVE" + chunks
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     try:
