@@ -1458,3 +1458,31 @@ def test_a_killed_exploration_resumes_without_measuring_anything_twice(tmp_path:
         retries = [s for s in steps[:-1] if "one more fresh job settles it" in s["reason"]]
         assert len(steps) == len({s["phase"] for s in steps}) + len(retries) <= 3, c
         assert all(s["phase"] == "fresh" for s in retries), c
+
+
+def test_resume_on_other_hardware_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """The committed H200 exploration resumed on this host (no H200): one line, exit 2, and
+    its row as it was (not claimed, budget not extended)."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from orchestrate.cli import app
+
+    db = tmp_path / "explore.db"
+    shutil.copy(Path(__file__).parents[1] / "benchmarks/h200/issue31-explore-stock.db", db)
+    url = f"sqlite:///{db}"
+    with Store(url) as store:
+        before = store.get_exploration("59be54fef175")
+    shown = CliRunner().invoke(
+        app, ["explore", "--resume", "59be54fef175", "--budget", "1m", "--no-mlflow", "--db", url]
+    )
+    assert shown.exit_code == 2, shown.output
+    assert "was measured on NVIDIA H200; this host is" in shown.output
+    with Store(url) as store:
+        after = store.get_exploration("59be54fef175")
+    assert (after["status"], after["options"], after["pid"]) == (
+        before["status"],
+        before["options"],
+        before["pid"],
+    )

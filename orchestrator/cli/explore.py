@@ -246,6 +246,7 @@ def _resume(
             f"exploration {short} is FINISHED ({row['stop_reason']}); give a new --budget to "
             "go on with it"
         )
+    _same_hardware(row)
     options = row["options"] | ({"runs_dir": str(runs_dir)} if runs_dir else {})
     if parsed is not None:  # T more on top of what it spent, not T in all
         parsed = parsed.after(row["elapsed_s"], row["jobs"])
@@ -261,6 +262,21 @@ def _resume(
     _drive(
         store, row["id"], parsed, mlflow and options.get("track", True), not fresh_worker, as_json
     )
+
+
+def _same_hardware(row: dict[str, Any]) -> None:
+    """An exploration's candidates are judged against numbers measured on its hardware: a
+    resume elsewhere (an H200's exploration on an H100) would mix them, so it is refused."""
+    from orchestrate.api.config import ModelSpec
+    from orchestrate.research import decide
+
+    here = decide.local_hardware(ModelSpec.model_validate(row["model"]).device)
+    if here != row["hardware"]:
+        fail(
+            f"exploration {row['id'][:12]} was measured on {row['hardware']}; this host is "
+            f"{here}: its numbers would not compare. Resume it on {row['hardware']}, or start "
+            "a new exploration here"
+        )
 
 
 def _drive(
