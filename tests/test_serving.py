@@ -309,6 +309,39 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def _server_fidelity(model) -> object:
+    from orchestrate.api.config import load_workload
+
+    spec = StackSpec(name="b", techniques=[TechniqueRef(name="batched_decode", params={"rows": 4})])
+    engine = FAMILY.build_engine(model, build_stack(spec, DeviceCaps("cpu"), strict=True))
+    return FAMILY.fidelity(model, {"b": engine}, load_workload("serve-smoke"), 24)["b"]
+
+
+def test_a_servers_fidelity_matches_stock_over_its_own_columns(model):
+    """A serving stack's fidelity: its server's step, teacher-forced in a row between two
+    rows of other prompts, gives stock's distribution over the codebook's own columns (fp32:
+    only summation order differs); the restricted head keeps it approximate, and the
+    server's sampler is named as not covered."""
+    rec = _server_fidelity(model)
+    assert rec.steps == 24 and rec.support_top1 == 1.0 and rec.support_kl < 1e-6
+    assert rec.within_tolerance is False  # -inf outside the codebook's columns
+    assert rec.not_covered == {"server's sampler": "batched_decode"}
+
+
+def test_server_fidelity_sees_a_row_that_reads_its_neighbours(model, monkeypatch):
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    real = BatchedDecoder._forward
+
+    def leaky(self, b, s):  # each row's state mixed with its neighbour's
+        hidden = real(self, b, s)
+        return hidden + 0.5 * hidden.roll(1, 0)
+
+    monkeypatch.setattr(BatchedDecoder, "_forward", leaky)
+    rec = _server_fidelity(model)
+    assert rec.support_kl > 1e-3 and rec.support_top1 < 1.0
+
+
 def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     """`orchestrate run` on a serving workload: the family builds the server from the
     stack's `server` slot, the worker drives the load, and the store keeps per-stream
@@ -335,6 +368,12 @@ def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     assert doc["load_label"] == "3 concurrent streams"
     assert [s["frames"] for s in doc["per_stream"]] == [4, 4, 4]
     assert "streaming Mimi" in doc["server"]["codec"] and "ttfa_s" in doc["definitions"]
+    fid = stack["fidelity"]  # the server's step teacher-forced against stock's
+    assert fid["support_top1"] == 1.0 and fid["not_covered"] == {
+        "server's sampler": "batched_decode"
+    }
+    assert stack["exactness"] == "approximate"
+    assert not any("exactness unmeasured" in w for w in stack["warnings"])
 
 
 LOADS = {

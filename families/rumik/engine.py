@@ -193,10 +193,17 @@ class Engine:
 class ServerFactory(Protocol):
     """(engine, cache positions per row, sampling, frames per audio chunk) -> a server of
     many streams (api.family.StreamServer, with `warm_up() -> int`, the graphs it captured,
-    and `described() -> dict[str, str]`, what it does in words)."""
+    and `described() -> dict[str, str]`, what it does in words). `rows`: that many cache rows
+    instead of the technique's own (fidelity teacher-forces a small server beside the timed
+    one); the server's `dec.teacher_forced(prompts, tokens)` runs its step on given tokens."""
 
     def __call__(
-        self, engine: Engine, max_seq_len: int, sampling: SamplingConfig, chunk_frames: int
+        self,
+        engine: Engine,
+        max_seq_len: int,
+        sampling: SamplingConfig,
+        chunk_frames: int,
+        rows: int | None = None,
     ) -> Any: ...
 
 

@@ -195,4 +195,9 @@ class RumikFamily(Family):
             frames = -(-steps // model.vocab.num_quantizers)  # enough frames for `steps` tokens
             tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
         ref = fidelity.Reference.build(model, prompt_ids, tokens, s.temperature, s.top_k)
-        return {name: ref.judge(eng, s, workload.seeds[0]) for name, eng in engines.items()}
+        return {
+            name: ref.judge_server(eng, s)
+            if eng.server is not None
+            else ref.judge(eng, s, workload.seeds[0])
+            for name, eng in engines.items()
+        }

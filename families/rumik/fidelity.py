@@ -298,6 +298,33 @@ def judge_slots(
     return rec.model_copy(update={**update, **coverage(engine, tested), "within_tolerance": ok})
 
 
+# A server's step is teacher-forced in a small server of its own (not the timed one's cache):
+# the row under test sits between rows holding other prompts of other lengths and other
+# tokens, so a mask, position or cache write that leaks across rows shows in its logits.
+SERVER_ROWS = 3
+SERVER_ROW = 1
+
+
+@torch.inference_mode()
+def server_teacher_forced(
+    engine: Engine, prompt_ids: list[int], tokens: list[int], sampling: SamplingConfig
+) -> torch.Tensor:
+    """[len(tokens), units + 1] canonical logits of row SERVER_ROW of the engine's server,
+    step i predicting tokens[i], its neighbours fed other prompts and tokens."""
+    assert engine.server is not None
+    prompts = [prompt_ids[: max(2, len(prompt_ids) // 2)], prompt_ids, prompt_ids + prompt_ids[:7]]
+    others = [tokens[::-1], tokens, tokens[1:] + tokens[:1]]
+    longest = max(len(p) for p in prompts) + len(tokens) + 1
+    server = engine.server(engine, longest, sampling, 1, rows=SERVER_ROWS)
+    rows = []
+    for logits, ids in server.dec.teacher_forced(prompts, others):
+        col = ids[SERVER_ROW]
+        end = int((col == engine.model.vocab.end_id).nonzero()[0, 0])
+        head = HeadLogits(logits[SERVER_ROW : SERVER_ROW + 1], col, end, slice(0, end))
+        rows.append(canonical(engine, head))
+    return torch.stack(rows).float()
+
+
 @dataclasses.dataclass
 class Reference:
     """Stock's teacher-forced logits on one token sequence, and how any engine is judged
@@ -323,6 +350,24 @@ class Reference:
             fp32 = teacher_forced(stock_engine(upcast(model)), prompt_ids, tokens)
             floor = compare(fp32, stock, temperature, top_k, torch.float32)
         return cls(prompt_ids, tokens, stock, fp32, floor, temperature, top_k, model.dtype)
+
+    def judge_server(self, engine: Engine, sampling: SamplingConfig) -> FidelityRecord:
+        """The engine's server (many streams at once) teacher-forced in one of its rows
+        against stock's logits. What it does not run is said: its sampler (its own random
+        stream) has no test here, so the record lists it as not covered."""
+        other = server_teacher_forced(engine, self.prompt_ids, self.tokens, sampling)
+        rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
+        if self.fp32 is not None and self.floor is not None:
+            vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
+            rec = judge_half(rec, vs32, self.floor)
+        by = engine.filled.get("server", "server")
+        return rec.model_copy(
+            update={
+                "covers": [*COVERS],
+                "not_covered": {"server's sampler": by},
+                "logits_within_tolerance": rec.within_tolerance,
+            }
+        )
 
     def judge(
         self, engine: Engine, sampling: SamplingConfig | None = None, seed: int = 0

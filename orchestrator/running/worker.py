@@ -279,8 +279,9 @@ def run_job(job: JobSpec, models: ModelCache | None = None) -> ResultRecord:
         _warm_up(family, engines, results, wl, per_stack)
     memory("warmed up")
     _fault("fidelity", out_dir)
-    # Serving stacks' exactness is their own tests' (each row against its batch-one run).
-    if job.fidelity_steps and engines and not serving:
+    # A serving stack's fidelity teacher-forces its server's step in one row of a small
+    # server beside other rows (the family's fidelity); its timed server is built later.
+    if job.fidelity_steps and engines:
         emit("status", message="teacher-forced fidelity against stock")
         # A report, not a reason to lose the timings; a failure is its stack's own error.
         found, errors = guards.fidelity_per_stack(

@@ -169,6 +169,43 @@ class BatchedDecoder:
         """One token for rows [0, b) attending over positions [0, s): graph-capturable (reads
         and writes only the state buffers). Returns `out[:b]`, the sampled token ids."""
         pos, count, active = self.pos[:b], self.count[:b], self.active[:b]
+        hidden = self._forward(b, s)
+        stop = torch.sigmoid(self.model.stop_head(hidden).float())[:, 0] > 0.5
+        token = self._sample(hidden, count, stop)
+        live = active.bool()
+        self.out[:b] = token
+        self.ids[:b] = torch.where(live, token, self.ids[:b])
+        pos.add_(active)
+        count.add_(active)
+        return self.out[:b]
+
+    @torch.inference_mode()
+    def teacher_forced(
+        self, prompts: list[list[int]], tokens: list[list[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows [0, len(prompts)) prefilled together, then fed `tokens[r]` step by step
+        through the same forward the server steps (never sampled): per step, every row's
+        codebook logits [rows, C] and the token id of each column [rows, C]. For fidelity:
+        a row's logits against stock's on the same tokens, with other rows beside it."""
+        b, steps = len(prompts), len(tokens[0])
+        if any(len(t) != steps for t in tokens) or b > self.rows:
+            raise ValueError("teacher_forced: one token list per row, all of one length")
+        self.prefill(list(range(b)), prompts, [0] * b, [True] * b)
+        out = []
+        for i in range(steps):
+            hidden = self._forward(b, self.capacity)
+            logits, q = self._logits(hidden, self.count[:b])
+            out.append((logits.clone(), self.head.ids[q].clone()))
+            self.ids[:b] = torch.tensor([t[i] for t in tokens], device=self.ids.device)
+            self.pos[:b] += 1
+            self.count[:b] += 1
+        self.active[:b] = 0
+        return out
+
+    def _forward(self, b: int, s: int) -> torch.Tensor:
+        """Rows [0, b)'s next hidden state [b, H], each row's keys and values written at its
+        position and attending over its filled positions (within [0, s) for SDPA)."""
+        pos = self.pos[:b]
         x = F.embedding(self.ids[:b, None], self.embed)  # [b, 1, H]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         if self.attention is None:  # SDPA's per-row masks over the bucket's s positions
@@ -198,24 +235,23 @@ class BatchedDecoder:
             )
             return out.reshape(b, self.hq, 1, self.d)
 
-        hidden = self._layers(x, cos, sin, attend)[:, 0]  # [b, H]
-        stop = torch.sigmoid(self.model.stop_head(hidden).float())[:, 0] > 0.5
-        token = self._sample(hidden, count, stop)
-        live = active.bool()
-        self.out[:b] = token
-        self.ids[:b] = torch.where(live, token, self.ids[:b])
-        pos.add_(active)
-        count.add_(active)
-        return self.out[:b]
+        return self._layers(x, cos, sin, attend)[:, 0]  # [b, H]
+
+    def _logits(
+        self, hidden: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's codebook (count % 8) logits [b, C], float32, and that codebook q [b]."""
+        b, c = hidden.shape[0], self.columns
+        q = count % self.head.num_quantizers
+        every = (F.linear(hidden, self.head_w) * self.head.scale).float().view(b, -1, c)
+        return every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0], q
 
     def _sample(
         self, hidden: torch.Tensor, count: torch.Tensor, stop: torch.Tensor
     ) -> torch.Tensor:
         """Each row's codebook (count % 8) logits -> a seeded top-k draw -> its token id."""
         b, c = hidden.shape[0], self.columns
-        q = count % self.head.num_quantizers
-        every = (F.linear(hidden, self.head_w) * self.head.scale).float().view(b, -1, c)
-        logits = every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0]  # [b, C]
+        logits, q = self._logits(hidden, count)
         may_end = self.allow_end[:b] & (count >= self.stop_from)
         end_col = torch.full_like(count, self.head.end)
         cols = torch.arange(c, device=hidden.device)

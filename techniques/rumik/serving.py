@@ -7,6 +7,8 @@ Mimi decode per chunk. The worker drives it with the workload's load and records
 figures (running/serving.py). APPROXIMATE: the codebook head is restricted to codebook
 step % 8 per row (codebook_head's), and the sampler draws stock's top-k distribution from
 another random stream; each row's tokens equal its batch-one run (tests/test_serving.py).
+Its fidelity teacher-forces the server's step in one row of a small server beside others
+(families/rumik/fidelity.py); the sampler has no fidelity test of its own.
 """
 
 from __future__ import annotations
@@ -60,13 +62,17 @@ class BatchedDecode(Technique):
             raise Refused("batched_decode with attention 'triton' needs a CUDA device")
 
         def build(
-            engine: Engine, max_seq_len: int, sampling: SamplingConfig, chunk_frames: int
+            engine: Engine,
+            max_seq_len: int,
+            sampling: SamplingConfig,
+            chunk_frames: int,
+            rows: int | None = None,
         ) -> Any:
             from orchestrate.techniques.rumik.batched_server import BatchedServer
 
             return BatchedServer(
                 engine.model,
-                params.rows,
+                rows or params.rows,
                 max_seq_len,
                 sampling,
                 graphs=params.graphs,
