@@ -1,7 +1,8 @@
 # Serving on the GPU in one device call (issue 34), from the repo root on the GPU host:
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh
 #   bash benchmarks/serving_h200.sh            (about 9 minutes; carry omnivoice and pydub)
-#   SERVING_PARTS="ov runner" bash benchmarks/serving_h200.sh   (some parts: tests rumik ov runner)
+#   SERVING_PARTS="ov ov-runner" bash benchmarks/serving_h200.sh   (parts: tests rumik ov runner,
+#   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched)
 # The whole script overran OmniVoice's 120 s on an H100 (cut while building): run `ov` in a
 # call of its own (OV_TIMEOUT, default 120 s) where it matters.
 # 1. the batched attention kernel compiled: its tests against the reference and the
@@ -24,6 +25,14 @@ fi
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 [[ $parts == *" ov "* ]] && timeout "${OV_TIMEOUT:-120}" python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \
     --levels 1,8,32 --repeats 5 --out "$OUT/ov-serving.json" 2>&1 | tee "$OUT/ov-serving.log"
+if [[ $parts == *" ov-runner "* ]]; then
+    rm -f /tmp/ov-serve.db
+    timeout "${OV_RUNNER_TIMEOUT:-300}" python3 -m orchestrate.cli run --stack ov-best-batched \
+        --workload ov-serve-gpu --model omnivoice --device cuda --db sqlite:////tmp/ov-serve.db \
+        --runs-dir /tmp/ov-serve-runs --no-mlflow --json > "$OUT/ov-serve-run.json" \
+        2> "$OUT/ov-serve-run.log"
+    tail -12 "$OUT/ov-serve-run.log"
+fi
 [[ $parts == *" runner "* ]] || exit 0
 rm -f /tmp/serve.db
 timeout 240 python3 -m orchestrate.cli run --stack rumik-batched-640 --workload serve-gpu \

@@ -194,6 +194,90 @@ def test_serving_refuses_copies_and_mixed_operating_points(family, model):
         family.synthesize_many(stock_engine(model), [p.text for p in mixed.prompts], 11, mixed)
 
 
+def _serve_workload(concurrency: int = 3, frames: int = 10) -> Workload:
+    return Workload.model_validate(
+        workload().model_dump()
+        | {"load": {"concurrency": concurrency, "frames": frames, "time_limit_s": 300}}
+    )
+
+
+def test_the_batch_server_admits_up_to_its_rows_and_gives_each_its_frames(family, model):
+    """batched_requests' server: the waiting requests (at most `rows`) in one generate()
+    call, each done with the frames its load asks for; the rest wait for the next batch."""
+    engine = engine_for(family, model, {"name": "batched_requests", "params": {"rows": 2}})
+    setup = family.serving(engine, _serve_workload(concurrency=2, frames=10), 3)
+    server = setup.server
+    assert server.admit(setup.requests) == 2 and server.free_rows() == 0
+    first = server.step()
+    assert [(e.key, e.frames_ready, e.done) for e in first] == [(0, 10, True), (1, 10, True)]
+    assert server.live() == 0 and server.admit(setup.requests[2:]) == 1
+    assert [e.key for e in server.step()] == [2]
+    assert setup.frame_s == 1 / model.frame_rate and setup.frames == [10, 10, 10]
+
+
+def test_serving_on_the_cpu_through_the_worker(tmp_path):
+    """`orchestrate run --stack ov-batched --workload ov-serve-smoke`: three requests in one
+    batch, each complete, stored as `serve.*` metrics; fidelity names the server as not
+    covered (its batching is not teacher-forced)."""
+    from factories import run_cli
+
+    db = f"sqlite:///{tmp_path / 'o.db'}"
+    out = run_cli(
+        ["run", "--stack", "ov-batched", "--workload", "ov-serve-smoke", "--model",
+         "omnivoice-tiny", "--db", db, "--runs-dir", str(tmp_path / "runs"), "--no-mlflow",
+         "--json"],
+        {**os.environ, "ORCHESTRATE_MLFLOW_URI": f"file://{tmp_path / 'mlruns'}"},
+        tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (stack,) = json.loads(out.stdout)["stacks"]
+    m = stack["metrics"]
+    assert (m["serve.streams"], m["serve.incomplete"], m["serve.served"]) == (3, 0, 3)
+    assert m["serve.ttfa_p50_s"] > 0 and m["serve.audio_s"] == pytest.approx(3 * 10 / 25)
+    assert stack["fidelity"]["not_covered"] == {"server": "batched_requests"}
+    (level,) = (tmp_path / "runs").glob("*/ov-batched/serving.json")
+    doc = json.loads(level.read_text())
+    assert "generated together" in doc["server"]["server"]
+    assert [s["frames"] for s in doc["per_stream"]] == [10, 10, 10]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"load": {"concurrency": 40, "frames": 10}}, "40 concurrent requests exceed its 32 rows"),
+        ({"operating_points": {"a": {"mode": "auto"}, "d": {"mode": "design", "instruct": "calm"}},
+          "prompts": [{"id": "a", "text": "One.", "point": "a"},
+                      {"id": "d", "text": "Two.", "point": "d"}]},
+         "mixes 2 operating points"),
+    ],
+)  # fmt: skip
+def test_bad_serving_input_is_refused_before_a_model(tmp_path, edit, message):
+    from pathlib import Path
+
+    import yaml
+    from factories import run_cli
+
+    base = yaml.safe_load(
+        (Path(__file__).parents[1] / "configs/workloads/ov-serve-smoke.yaml").read_text()
+    )
+    (tmp_path / "wl.yaml").write_text(yaml.safe_dump(base | edit))
+    out = run_cli(
+        ["run", "--stack", "ov-batched", "--workload", str(tmp_path / "wl.yaml"), "--model",
+         "omnivoice-tiny", "--db", f"sqlite:///{tmp_path / 'o.db'}", "--no-mlflow"],
+        dict(os.environ), tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_batched_requests_conflicts_with_copies():
+    spec = StackSpec(
+        name="x", family="omnivoice",
+        techniques=[{"name": "batch"}, {"name": "batched_requests"}],
+    )  # fmt: skip
+    with pytest.raises(StackError, match="conflict"):
+        build_stack(spec, DeviceCaps("cpu"), strict=True)
+
+
 # ------------------------------------------------------------------- bad input
 
 

@@ -259,6 +259,8 @@ class Engine:
     codec: Codec
     knobs: dict[str, Any] = field(default_factory=dict)  # OmniVoiceGenerationConfig fields
     batch: int = 1  # copies of each request generated together (throughput)
+    # Serving workloads: (engine, workload) -> a server of many requests (None: one at a time)
+    server: Any = None
     filled: dict[str, str] = field(default_factory=dict)  # slot -> technique that filled it
     passes: PassCount = field(default_factory=PassCount)  # written by slot-reading loops
 

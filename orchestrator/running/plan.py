@@ -86,7 +86,7 @@ def check_serving(stack: str, built: BuiltStack, workload: Workload) -> None:
         raise StackError(
             f"stack {stack!r} cannot serve workload {workload.name!r} "
             f"({workload.load.label()}): it has no technique that serves many streams "
-            "(rumik: batched_decode)"
+            "(rumik: batched_decode; omnivoice: batched_requests)"
         )
     for technique in built.techniques:
         why = technique.check_workload(technique.params, workload)
