@@ -20,7 +20,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from orchestrate.api.config import ModelSpec, without_pydantic_detail
 from orchestrate.api.registry import get_family
-from orchestrate.reports.listening import LEVEL_NOTE, listening_clip
+from orchestrate.reports.listening import LEVEL_NOTE, UnreadableClip, listening_clip
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
@@ -282,6 +282,7 @@ def _listening(
     from orchestrate.research.scoring_run import audio_root
 
     runs = [r for c in reversed(cands) if c["decision"] == "accept" for r in reversed(c["run_ids"])]
+    unreadable: list[str] = []
     for run_id in runs:
         try:
             result = store.get_result(run_id)
@@ -299,12 +300,18 @@ def _listening(
             pb = root / b.audio_path if b.audio_path else None
             if pa and pb and pa.is_file() and pb.is_file():
                 label = f"{a.prompt_id} · seed {a.seed}"
-                ca, cb = listening_clip(pa), listening_clip(pb)
+                try:
+                    ca, cb = listening_clip(pa), listening_clip(pb)
+                except UnreadableClip as exc:  # one bad file costs its row, not the page
+                    unreadable.append(str(exc))
+                    continue
                 pairs = ((baseline, ca), (champion, cb))
                 flags = [f"{label} · {name}: {f}" for name, c in pairs for f in c.flags]
                 clips.append(Clip(label, ca.wav_base64, cb.wav_base64, flags))
         if clips:
-            return clips, [f"From run {run_id[:12]}.", LEVEL_NOTE]
+            return clips, [f"From run {run_id[:12]}.", LEVEL_NOTE, *unreadable]
     if not runs:
         return [], ["No accepted candidate: the champion is the root, nothing to compare."]
+    if unreadable:
+        return [], ["The champion's recordings could not be read:", *unreadable]
     return [], ["The champion's runs kept no recordings on this machine (WAVs not copied)."]

@@ -56,11 +56,18 @@ class ListeningClip:
         return out
 
 
+class UnreadableClip(ValueError):
+    """A recording libsndfile cannot read (truncated, not audio): the page says so."""
+
+
 def listening_clip(path: Path) -> ListeningClip:
     """Read one recording (any format libsndfile reads) and make its page clip."""
     import soundfile as sf
 
-    audio, rate = sf.read(path, dtype="float32", always_2d=True)
+    try:
+        audio, rate = sf.read(path, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError) as exc:  # RuntimeError: older soundfile
+        raise UnreadableClip(f"{path.name}: not a readable recording ({exc})") from exc
     mono = audio.mean(axis=1)
     finite = np.isfinite(mono)
     mono = np.where(finite, mono, 0.0).astype(np.float32)

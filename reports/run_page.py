@@ -21,7 +21,12 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from orchestrate.api.config import ModelSpec
 from orchestrate.api.registry import get_family
-from orchestrate.reports.listening import LEVEL_NOTE, ListeningClip, listening_clip
+from orchestrate.reports.listening import (
+    LEVEL_NOTE,
+    ListeningClip,
+    UnreadableClip,
+    listening_clip,
+)
 from orchestrate.running.metrics import HEADLINE, invalid_reasons
 
 if TYPE_CHECKING:
@@ -36,9 +41,10 @@ CLIP_SCORES = ("wer", "cer", "mos", "sim")
 @dataclass
 class StackClip:
     stack: str
-    clip: ListeningClip | None  # None: this stack kept no recording of the utterance
+    clip: ListeningClip | None  # None: no recording kept, or `problem` says why not shown
     transcript: str | None = None
     scores: dict[str, float] = field(default_factory=dict)
+    problem: str | None = None  # a recording that could not be read
 
 
 @dataclass
@@ -312,13 +318,13 @@ def _listening(
             values = {
                 k: float(v) for k, v in (score.get("values") or {}).items() if k in CLIP_SCORES
             }
-            clips.append(
-                StackClip(
-                    r.stack.name,
-                    listening_clip(path) if path else None,
-                    (score.get("details") or {}).get("transcript"),
-                    values,
-                )
-            )
+            clip, problem = None, None
+            if path is not None:
+                try:
+                    clip = listening_clip(path)
+                except UnreadableClip as exc:
+                    problem = str(exc)
+            transcript = (score.get("details") or {}).get("transcript")
+            clips.append(StackClip(r.stack.name, clip, transcript, values, problem))
         out.append(Utterance(f"{prompt} · seed {seed}", texts.get(prompt, ""), clips))
     return out, [f"Recordings from {root}."]

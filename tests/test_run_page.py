@@ -218,3 +218,22 @@ def test_an_explorations_page_names_where_it_ran(tmp_path: Path) -> None:
     for shown in ("NVIDIA H200", "driver 580", "Intel(R) Xeon(R)", "torch 2.11.0", "2026-12-05",
                   "2c181e4b6698"):  # fmt: skip
         assert shown in env
+
+
+def test_an_unreadable_recording_costs_its_cell_not_the_page(stored_run, tmp_path) -> None:
+    """A truncated WAV (a disk that filled, a copy cut short) is named on the page; every
+    other clip still plays."""
+    from orchestrate.research.scoring_run import audio_root
+
+    url, run_id, result = stored_run
+    utt = result.results[1].utterances[0]
+    wav = audio_root(result) / utt.audio_path
+    kept = wav.read_bytes()
+    try:
+        wav.write_bytes(kept[:30])  # a RIFF header cut short
+        said = _report(url, run_id, tmp_path / "run.html")
+    finally:
+        wav.write_bytes(kept)
+    page = (tmp_path / "run.html").read_text()
+    assert "2 stacks, 3 clips" in said and page.count("<audio") == 3
+    assert f"{wav.name}: not a readable recording" in page
