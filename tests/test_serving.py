@@ -50,13 +50,13 @@ def serve(
     return server
 
 
-def single_stream_tokens(model, ids: list[int], frames: int) -> list[int]:
+def single_stream_tokens(model, ids: list[int], frames: int, head: str = "codebook") -> list[int]:
     """The family's single-stream stack with the same parts (static cache, packed
-    projections, codebook head), host loop, greedy (top-k 1)."""
+    projections, the codebook or audio head), host loop, greedy (top-k 1)."""
     spec = StackSpec(
         name="s",
         techniques=[TechniqueRef(name=n) for n in ("static_kv_cache", "packed_projections")]
-        + [TechniqueRef(name="codebook_head")],
+        + [TechniqueRef(name=f"{head}_head")],
     )
     engine = FAMILY.build_engine(model, build_stack(spec, DeviceCaps("cpu"), strict=True))
     gen = torch.Generator().manual_seed(0)
@@ -64,10 +64,11 @@ def single_stream_tokens(model, ids: list[int], frames: int) -> list[int]:
         return engine.loop(engine, ids, frames, GREEDY, gen).tokens
 
 
-def test_batch_one_matches_the_single_stream_stack(model):
+@pytest.mark.parametrize("head", ["codebook", "audio"])
+def test_batch_one_matches_the_single_stream_stack(model, head):
     ids = prompt(model, TEXTS[1])
-    server = serve(model, [ServeRequest(0, ids, 6, seed=3)], rows=1, sampling=GREEDY)
-    assert server.tokens[0] == single_stream_tokens(model, ids, 6)
+    server = serve(model, [ServeRequest(0, ids, 6, seed=3)], rows=1, sampling=GREEDY, head=head)
+    assert server.tokens[0] == single_stream_tokens(model, ids, 6, head)
     assert len(server.tokens[0]) == 48
 
 
@@ -309,10 +310,11 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _server_fidelity(model) -> object:
+def _server_fidelity(model, head: str = "codebook") -> object:
     from orchestrate.api.config import load_workload
 
-    spec = StackSpec(name="b", techniques=[TechniqueRef(name="batched_decode", params={"rows": 4})])
+    params = {"rows": 4, "head": head}
+    spec = StackSpec(name="b", techniques=[TechniqueRef(name="batched_decode", params=params)])
     engine = FAMILY.build_engine(model, build_stack(spec, DeviceCaps("cpu"), strict=True))
     return FAMILY.fidelity(model, {"b": engine}, load_workload("serve-smoke"), 24)["b"]
 
@@ -326,6 +328,14 @@ def test_a_servers_fidelity_matches_stock_over_its_own_columns(model):
     assert rec.steps == 24 and rec.support_top1 == 1.0 and rec.support_kl < 1e-6
     assert rec.within_tolerance is False  # -inf outside the codebook's columns
     assert rec.not_covered == {"server's sampler": "batched_decode"}
+
+
+def test_the_audio_heads_server_is_within_stocks_tolerance(model):
+    """With `head: audio` every audio unit is a column: the server's teacher-forced logits
+    are stock's within the fp32 bar, so only its sampler (another random stream) is left."""
+    rec = _server_fidelity(model, head="audio")
+    assert rec.within_tolerance and rec.logits_within_tolerance
+    assert rec.top1_agreement == 1.0 and rec.mean_kl < 1e-6
 
 
 def test_server_fidelity_sees_a_row_that_reads_its_neighbours(model, monkeypatch):

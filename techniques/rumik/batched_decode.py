@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from orchestrate.api.config import SamplingConfig
 from orchestrate.families.rumik.engine import layer_norm, stock_engine
 from orchestrate.families.rumik.model import RumikModel
+from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
 from orchestrate.techniques.rumik.packed_projections import Packed
 from orchestrate.techniques.rumik.static_kv_cache import rotate_half_pairs
@@ -63,6 +64,7 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> 
 
 
 ATTENTION = ("sdpa", "triton")
+HEADS = ("codebook", "audio")
 
 
 class BatchedDecoder:
@@ -76,15 +78,27 @@ class BatchedDecoder:
         max_seq_len: int,
         sampling: SamplingConfig,
         attention: str = "sdpa",
+        head: str = "codebook",
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         self.proj = Packed(stock_engine(model), fuse_output=True)
-        self.head = CurrentCodebookHead(model)
-        self.head_w = self.head.weight.flatten(0, 1)  # [8 * C, H]: every codebook in one matmul
-        self.columns = self.head.weight.shape[1]  # C = codebook units + end-of-audio
+        # codebook: per row, the rows of codebook (count % 8) + end (APPROXIMATE); audio:
+        # every audio unit + end, stock's distribution. Both compute the same matmul (all
+        # 8 codebooks' rows); they differ in the columns a row samples from.
+        if head not in HEADS:
+            raise ValueError(f"head {head!r}: one of {', '.join(HEADS)}")
+        self.head_kind = head
+        if head == "codebook":
+            self.head = CurrentCodebookHead(model)
+            self.head_w = self.head.weight.flatten(0, 1)  # [8 * C, H]: every codebook at once
+            self.columns = self.head.weight.shape[1]  # C = codebook units + end-of-audio
+        else:
+            self.head = AudioRowsHead(model)
+            self.head_w = self.head.weight  # [units + 1, H]
+            self.columns = self.head.weight.shape[0]
         self.embed = lm.model.embed_tokens.weight
         self.norms = [layer.input_layernorm.weight for layer in lm.model.layers]
         self.final_norm, self.eps = lm.model.norm.weight, cfg.layer_norm_eps
@@ -194,8 +208,8 @@ class BatchedDecoder:
         out = []
         for i in range(steps):
             hidden = self._forward(b, self.capacity)
-            logits, q = self._logits(hidden, self.count[:b])
-            out.append((logits.clone(), self.head.ids[q].clone()))
+            logits, ids = self._logits(hidden, self.count[:b])
+            out.append((logits.clone(), ids.clone()))
             self.ids[:b] = torch.tensor([t[i] for t in tokens], device=self.ids.device)
             self.pos[:b] += 1
             self.count[:b] += 1
@@ -240,18 +254,22 @@ class BatchedDecoder:
     def _logits(
         self, hidden: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's codebook (count % 8) logits [b, C], float32, and that codebook q [b]."""
+        """Each row's logits [b, C], float32, and the token id of each column [b, C]: its
+        codebook's (count % 8) with the codebook head, every audio unit's with the audio head."""
         b, c = hidden.shape[0], self.columns
+        logits = (F.linear(hidden, self.head_w) * self.head.scale).float()
+        if self.head_kind == "audio":
+            return logits, self.head.ids.expand(b, c)
         q = count % self.head.num_quantizers
-        every = (F.linear(hidden, self.head_w) * self.head.scale).float().view(b, -1, c)
-        return every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0], q
+        every = logits.view(b, -1, c)
+        return every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0], self.head.ids[q]
 
     def _sample(
         self, hidden: torch.Tensor, count: torch.Tensor, stop: torch.Tensor
     ) -> torch.Tensor:
         """Each row's codebook (count % 8) logits -> a seeded top-k draw -> its token id."""
         b, c = hidden.shape[0], self.columns
-        logits, q = self._logits(hidden, count)
+        logits, ids = self._logits(hidden, count)
         may_end = self.allow_end[:b] & (count >= self.stop_from)
         end_col = torch.full_like(count, self.head.end)
         cols = torch.arange(c, device=hidden.device)
@@ -261,7 +279,7 @@ class BatchedDecoder:
         noisy = top_vals + gumbel_noise(self.seed[:b], count, top_idx)
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
         col = torch.where(may_end & stop, end_col, col)  # the stop head forces end-of-audio
-        return self.head.ids[q, col]
+        return ids.gather(1, col[:, None])[:, 0]
 
 
 def _attention(name: str, model: RumikModel):

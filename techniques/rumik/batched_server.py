@@ -80,9 +80,10 @@ class BatchedServer:
         ctx_stride: int = 128,
         attention: str = "sdpa",
         keep_audio: bool = False,
+        head: str = "codebook",
     ):
         self.model, self.sampling = model, sampling
-        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention)
+        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention, head)
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.codec_on, self.chunk_frames = codec, chunk_frames
@@ -119,7 +120,9 @@ class BatchedServer:
             "positions"
             if self.dec.attention is not None
             else "SDPA over the context bucket with a per-row boolean mask",
-            "head": "codebook head (APPROXIMATE: codebook step % 8 per row)",
+            "head": "codebook head (APPROXIMATE: codebook step % 8 per row)"
+            if self.dec.head_kind == "codebook"
+            else "audio head: every audio unit and end-of-audio (stock's distribution)",
             "sampler": "top-k via Gumbel-max with hashed per-row noise (stock's top-k "
             "distribution, another random stream)",
             "codec": "streaming Mimi decode of each completed chunk, batched across streams, "

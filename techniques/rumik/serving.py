@@ -4,9 +4,11 @@ Fills the `server` slot with a factory for techniques/rumik/batched_server.py's
 continuous-batching server: a static cache of `rows` rows with per-row positions, seeded
 per-row top-k, a CUDA graph per batch bucket (captured in the untimed warm-up), streaming
 Mimi decode per chunk. The worker drives it with the workload's load and records per-stream
-figures (running/serving.py). APPROXIMATE: the codebook head is restricted to codebook
-step % 8 per row (codebook_head's), and the sampler draws stock's top-k distribution from
-another random stream; each row's tokens equal its batch-one run (tests/test_serving.py).
+figures (running/serving.py). APPROXIMATE: the sampler draws stock's top-k distribution
+from another random stream (as device_sampler's), and with `head: codebook` (the default)
+each row samples only codebook step % 8 (codebook_head's); `head: audio` keeps stock's
+distribution over every audio unit. Each row's tokens equal its batch-one run
+(tests/test_serving.py).
 Its fidelity teacher-forces the server's step in one row of a small server beside others
 (families/rumik/fidelity.py); the sampler has no fidelity test of its own.
 """
@@ -33,12 +35,19 @@ class BatchedDecodeParams(TechniqueParams):
     max_prefill_tokens: int = Field(
         4096, ge=1, le=1 << 20, description="Prompt tokens prefilled per admission, at most."
     )
+    head: Literal["codebook", "audio"] = Field(
+        "codebook",
+        description="codebook: each row samples its codebook's (step % 8) units + end "
+        "(APPROXIMATE); audio: every audio unit + end, stock's distribution. One matmul "
+        "either way (all 8 codebooks' rows); they differ in the columns sampled from.",
+    )
 
 
 class BatchedDecode(Technique):
     name = "batched_decode"
+    version = 2  # 2: the `head` parameter (its default keeps version 1's codebook head)
     family = "rumik"
-    exact = False  # the codebook head (step % 8) and another random stream: see above
+    exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
     serves_streams = True
     summary = "serve many streams: continuous batching over a row-per-stream static cache"
@@ -80,6 +89,7 @@ class BatchedDecode(Technique):
                 chunk_frames=chunk_frames,
                 max_prefill_tokens=params.max_prefill_tokens,
                 attention=params.attention,
+                head=params.head,
             )
 
         engine.server = build
