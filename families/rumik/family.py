@@ -196,7 +196,7 @@ class RumikFamily(Family):
             tokens = stock.loop(stock, prompt_ids, frames, s, generator).tokens[:steps]
         ref = fidelity.Reference.build(model, prompt_ids, tokens, s.temperature, s.top_k)
         return {
-            name: ref.judge_server(eng, s)
+            name: ref.judge_server(eng, s, workload.seeds[0])
             if eng.server is not None
             else ref.judge(eng, s, workload.seeds[0])
             for name, eng in engines.items()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -308,21 +309,52 @@ SERVER_ROW = 1
 @torch.inference_mode()
 def server_teacher_forced(
     engine: Engine, prompt_ids: list[int], tokens: list[int], sampling: SamplingConfig
-) -> torch.Tensor:
-    """[len(tokens), units + 1] canonical logits of row SERVER_ROW of the engine's server,
-    step i predicting tokens[i], its neighbours fed other prompts and tokens."""
+) -> tuple[torch.Tensor, Any, list[HeadLogits]]:
+    """Row SERVER_ROW of the engine's server teacher-forced, its neighbours fed other
+    prompts and tokens: [len(tokens), units + 1] canonical logits (step i predicting
+    tokens[i]), the server's decoder, and the row's head output per step (for its sampler)."""
     assert engine.server is not None
     prompts = [prompt_ids[: max(2, len(prompt_ids) // 2)], prompt_ids, prompt_ids + prompt_ids[:7]]
     others = [tokens[::-1], tokens, tokens[1:] + tokens[:1]]
     longest = max(len(p) for p in prompts) + len(tokens) + 1
-    server = engine.server(engine, longest, sampling, 1, rows=SERVER_ROWS)
-    rows = []
-    for logits, ids in server.dec.teacher_forced(prompts, others):
+    dec = engine.server(engine, longest, sampling, 1, rows=SERVER_ROWS).dec
+    rows, heads = [], []
+    for logits, ids in dec.teacher_forced(prompts, others):
         col = ids[SERVER_ROW]
-        end = int((col == engine.model.vocab.end_id).nonzero()[0, 0])
+        end = int(dec.head.end)
         head = HeadLogits(logits[SERVER_ROW : SERVER_ROW + 1], col, end, slice(0, end))
         rows.append(canonical(engine, head))
-    return torch.stack(rows).float()
+        heads.append(head)
+    return torch.stack(rows).float(), dec, heads
+
+
+@torch.inference_mode()
+def server_sampler_check(
+    dec: Any, heads: list[HeadLogits], sampling: SamplingConfig, seed: int
+) -> tuple[float, float]:
+    """(max TV, bound): the server's sampler (`dec.draw`: SAMPLER_DRAWS rows of one head
+    output, each its own seed) against stock's sampler on the same logits, end-of-audio
+    masked, allowed and forced, as sampler_check does for a single-stream sampler."""
+    picks = sorted(
+        {round(i * (len(heads) - 1) / max(SAMPLER_ROWS - 1, 1)) for i in range(SAMPLER_ROWS)}
+    )
+    cases = [(heads[p], i % 2 == 1, False, SAMPLER_DRAWS) for i, p in enumerate(picks)]
+    cases.append((heads[picks[0]], True, True, FORCED_DRAWS))
+    tv = 0.0
+    for k, (head, allow_end, force_end, n) in enumerate(cases):
+        ref = draw(stock_sampler, head, n, seed, sampling, allow_end, force_end)
+        dev = head.logits.device
+        got = dec.draw(
+            head.logits.expand(n, -1),
+            head.column_ids.expand(n, -1),
+            torch.full((n,), dec.stop_from + k, dtype=torch.long, device=dev),
+            torch.full((n,), force_end, dtype=torch.bool, device=dev),
+            torch.arange(n, device=dev) + seed * 7919 + 1,  # other seeds than stock's
+            torch.full((n,), allow_end or force_end, dtype=torch.bool, device=dev),
+        )
+        tv = max(tv, total_variation(ref, got.cpu()))
+    support = min(sampling.top_k, heads[0].logits.shape[-1])
+    return tv, tv_bound(SAMPLER_DRAWS, support, len(cases))
 
 
 @dataclasses.dataclass
@@ -351,21 +383,25 @@ class Reference:
             floor = compare(fp32, stock, temperature, top_k, torch.float32)
         return cls(prompt_ids, tokens, stock, fp32, floor, temperature, top_k, model.dtype)
 
-    def judge_server(self, engine: Engine, sampling: SamplingConfig) -> FidelityRecord:
-        """The engine's server (many streams at once) teacher-forced in one of its rows
-        against stock's logits. What it does not run is said: its sampler (its own random
-        stream) has no test here, so the record lists it as not covered."""
-        other = server_teacher_forced(engine, self.prompt_ids, self.tokens, sampling)
+    def judge_server(self, engine: Engine, sampling: SamplingConfig, seed: int) -> FidelityRecord:
+        """The engine's server (many streams at once): one of its rows teacher-forced against
+        stock's logits, and its sampler's draws against stock's sampler on that row's logits.
+        Within tolerance only if both are."""
+        other, dec, heads = server_teacher_forced(engine, self.prompt_ids, self.tokens, sampling)
         rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
         if self.fp32 is not None and self.floor is not None:
             vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
             rec = judge_half(rec, vs32, self.floor)
-        by = engine.filled.get("server", "server")
+        tv, bound = server_sampler_check(dec, heads, sampling, seed)
         return rec.model_copy(
             update={
-                "covers": [*COVERS],
-                "not_covered": {"server's sampler": by},
+                "covers": [*COVERS, "server's sampler"],
+                "not_covered": {},
                 "logits_within_tolerance": rec.within_tolerance,
+                "sampler_tv": tv,
+                "sampler_tv_bound": bound,
+                "sampler_draws": SAMPLER_DRAWS,
+                "within_tolerance": rec.within_tolerance and tv <= bound,
             }
         )
 

@@ -267,16 +267,31 @@ class BatchedDecoder:
     def _sample(
         self, hidden: torch.Tensor, count: torch.Tensor, stop: torch.Tensor
     ) -> torch.Tensor:
-        """Each row's codebook (count % 8) logits -> a seeded top-k draw -> its token id."""
-        b, c = hidden.shape[0], self.columns
+        """Each row's logits -> a seeded top-k draw -> its token id."""
+        b = hidden.shape[0]
         logits, ids = self._logits(hidden, count)
-        may_end = self.allow_end[:b] & (count >= self.stop_from)
+        return self.draw(logits, ids, count, stop, self.seed[:b], self.allow_end[:b])
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        count: torch.Tensor,
+        stop: torch.Tensor,
+        seed: torch.Tensor,
+        allow_end: torch.Tensor,
+    ) -> torch.Tensor:
+        """The server's sampler on given rows ([b, C] logits and column ids; per row its
+        token count, stop-head verdict, seed and whether end-of-audio may be drawn): top-k
+        by Gumbel-max with noise hashed from (seed, count, column). Fidelity calls it too."""
+        c = logits.shape[-1]
+        may_end = allow_end & (count >= self.stop_from)
         end_col = torch.full_like(count, self.head.end)
-        cols = torch.arange(c, device=hidden.device)
+        cols = torch.arange(c, device=logits.device)
         allowed = (cols[None, :] != self.head.end) | may_end[:, None]
         scores = logits.masked_fill(~allowed, float("-inf")) / self.sampling.temperature
         top_vals, top_idx = torch.topk(scores, min(self.sampling.top_k, c), dim=-1)
-        noisy = top_vals + gumbel_noise(self.seed[:b], count, top_idx)
+        noisy = top_vals + gumbel_noise(seed, count, top_idx)
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
         col = torch.where(may_end & stop, end_col, col)  # the stop head forces end-of-audio
         return ids.gather(1, col[:, None])[:, 0]

@@ -9,8 +9,9 @@ from another random stream (as device_sampler's), and with `head: codebook` (the
 each row samples only codebook step % 8 (codebook_head's); `head: audio` keeps stock's
 distribution over every audio unit. Each row's tokens equal its batch-one run
 (tests/test_serving.py).
-Its fidelity teacher-forces the server's step in one row of a small server beside others
-(families/rumik/fidelity.py); the sampler has no fidelity test of its own.
+Its fidelity teacher-forces the server's step in one row of a small server beside others,
+and draws from its sampler against stock's on that row's logits (families/rumik/fidelity.py).
+Top-p is not implemented: with top_p < 1 the sampler check fails, as it should.
 """
 
 from __future__ import annotations
