@@ -412,6 +412,11 @@ LOADS = {
     ),
     "single-stream": ("", "rumik-batched", "is single-stream (it has no `load:`)"),
     "no-server": ("load: {concurrency: 2, frames: 4}", "exp74", "no technique that serves many"),
+    "top-p": (
+        "load: {concurrency: 2, frames: 4}\nsampling: {top_p: 0.9}",
+        "rumik-batched",
+        "top_p 0.9 is not implemented",
+    ),
 }
 
 

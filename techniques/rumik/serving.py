@@ -11,7 +11,8 @@ distribution over every audio unit. Each row's tokens equal its batch-one run
 (tests/test_serving.py).
 Its fidelity teacher-forces the server's step in one row of a small server beside others,
 and draws from its sampler against stock's on that row's logits (families/rumik/fidelity.py).
-Top-p is not implemented: with top_p < 1 the sampler check fails, as it should.
+Top-p is not implemented: a workload with top_p < 1 is refused (and were it not, the sampler
+check would fail, as tests/test_serving.py shows).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class BatchedDecode(Technique):
             return (
                 f"{load.concurrency} concurrent streams exceed its {params.rows} cache rows "
                 "(raise rows: or lower the concurrency)"
+            )
+        if workload.sampling.top_p < 1.0:
+            return (
+                f"its sampler draws top-k only; the workload's top_p "
+                f"{workload.sampling.top_p:g} is not implemented (set top_p: 1.0)"
             )
         return None
 
