@@ -10,8 +10,9 @@
 # 2. the Rumik curve, masked SDPA (`ours`) and the batched kernel (`ours_triton`) in one run,
 #    one server at a time, baseline B at 32 streams;
 # 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved;
-# 4. the serving workload through the runner (rumik-batched against rumik-batched-640 on
-#    serve-gpu: 128 streams arriving together), stored, its table and serving.json kept.
+# 4. the serving workload through the runner (rumik-batched against rumik-batched-640 and
+#    rumik-batched-640-audio on serve-gpu: 128 streams arriving together; each stack's
+#    server teacher-forced and its sampler checked against stock's), stored, JSON kept.
 set -o pipefail
 parts=" ${SERVING_PARTS:-tests rumik ov runner} "
 if [[ $parts == *" tests "* ]]; then
@@ -35,7 +36,8 @@ if [[ $parts == *" ov-runner "* ]]; then
 fi
 [[ $parts == *" runner "* ]] || exit 0
 rm -f /tmp/serve.db
-timeout 240 python3 -m orchestrate.cli run --stack rumik-batched-640 --workload serve-gpu \
+timeout 240 python3 -m orchestrate.cli run --stack rumik-batched-640 \
+    --stack rumik-batched-640-audio --workload serve-gpu \
     --model rumik-oss-1 --device cuda --db sqlite:////tmp/serve.db --runs-dir /tmp/serve-runs \
     --no-mlflow --json > "$OUT/serve-run.json" 2> "$OUT/serve-run.log"
 tail -3 "$OUT/serve-run.log"
