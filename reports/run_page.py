@@ -28,6 +28,7 @@ from orchestrate.reports.listening import (
     listening_clip,
 )
 from orchestrate.running.metrics import HEADLINE, invalid_reasons
+from orchestrate.store.errors import StoreError
 
 if TYPE_CHECKING:
     from orchestrate.api.records import ResultRecord
@@ -131,7 +132,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
     view.headline_png = _headline_png(row, confidence, spec, device)
     try:
         result = store.get_result(row["id"])
-    except LookupError:
+    except StoreError:  # a failed or interrupted run recorded no result
         result = None
     if result is None:
         view.listening_notes = ["The run has no recorded result: nothing to listen to."]

@@ -237,3 +237,25 @@ def test_an_unreadable_recording_costs_its_cell_not_the_page(stored_run, tmp_pat
     page = (tmp_path / "run.html").read_text()
     assert "2 stacks, 3 clips" in said and page.count("<audio") == 3
     assert f"{wav.name}: not a readable recording" in page
+
+
+def test_a_failed_runs_page_says_why_and_has_nothing_to_play(stored_run, tmp_path) -> None:
+    """A run whose worker died before its result: the page gives the error, no table of
+    numbers it never measured, and no listening pack."""
+    from orchestrate.api.config import load_model_spec
+    from orchestrate.api.protocol import load_protocol
+    from orchestrate.running.plan import plan_job
+    from orchestrate.store.store import Store
+
+    url, _, result = stored_run
+    job = plan_job(
+        load_model_spec("tiny"), result.job.workload, result.job.stacks, load_protocol(),
+        tmp_path / "job", fidelity_steps=8,
+    )  # fmt: skip
+    store = Store(url)
+    run_id = store.begin_run(job, "failed-run-identity")
+    store.fail_run(run_id, "FAILED", "worker exited with signal 9 (SIGKILL)")
+    _report(url, run_id, tmp_path / "failed.html")
+    page = (tmp_path / "failed.html").read_text()
+    assert "run error: worker exited with signal 9 (SIGKILL)" in page
+    assert "<audio" not in page and "no recorded result: nothing to listen to" in page
