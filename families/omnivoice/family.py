@@ -4,7 +4,6 @@ several requests served in one batch (`synthesize_many`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,29 +15,13 @@ from orchestrate.api.family import Family, Serving, Synthesis
 from orchestrate.api.records import FidelityRecord
 from orchestrate.api.technique import BuiltStack
 from orchestrate.families.omnivoice import fidelity
+from orchestrate.families.omnivoice.batching import Served, code_frames, generate_many
 from orchestrate.families.omnivoice.cost import forward_cost
 from orchestrate.families.omnivoice.engine import SLOTS, Engine, stock_engine
 from orchestrate.families.omnivoice.model import OmniVoiceModel, build_model
 from orchestrate.families.omnivoice.presets import PRESETS
 from orchestrate.families.omnivoice.profile import slot_profile
 from orchestrate.families.omnivoice.requests import operating_point, request_kwargs
-
-
-@dataclass(frozen=True)
-class Served:
-    """One batch of requests served together (`synthesize_many`): they arrive together and
-    finish together, so each request's latency is the batch's."""
-
-    latency_s: float  # prompts -> every waveform on the CPU
-    lm_s: float
-    codec_s: float
-    frames: list[int]  # per request
-    audio: list[np.ndarray]  # per request
-    sample_rate: int
-
-    @property
-    def audio_s(self) -> float:
-        return sum(len(a) for a in self.audio) / self.sample_rate
 
 
 class OmniVoiceFamily(Family):
@@ -116,11 +99,13 @@ class OmniVoiceFamily(Family):
         t1 = time.perf_counter()
         audios = engine.codec(engine, codes, list(task.ref_rms), cfg)
         t2 = time.perf_counter()
-        n_frames = sum(_frames(c) for c in codes)
+        n_frames = sum(code_frames(c) for c in codes)
         prompt_tokens = _prompt_tokens(ov, task, cfg)
         chunks = len(codes[0]) if isinstance(codes[0], list) else 1  # long-form chunking
         steps, rows = forward_passes(engine, cfg, chunks, batch=len(codes))
-        nbytes, flops = forward_cost(ov, rows / steps, prompt_tokens + _frames(codes[0]) // chunks)
+        nbytes, flops = forward_cost(
+            ov, rows / steps, prompt_tokens + code_frames(codes[0]) // chunks
+        )
         return Synthesis(
             latency_s=t2 - t0,
             lm_s=t1 - t0,
@@ -177,39 +162,6 @@ class OmniVoiceFamily(Family):
         return fidelity.against_stock(model, engines, workload, steps)
 
 
-@torch.inference_mode()
-def generate_many(
-    engine: Engine, texts: list[str], durations: list[float | None], seed: int, point: Any
-) -> Served:
-    """`texts` in one generate() batch, each of its own duration (None: the package's
-    estimate), sharing the operating point `point`. Timer scope: prompts -> every CPU
-    waveform. One seed for the batch: the package draws its noise from the global generator."""
-    model, ov = engine.model, engine.model.ov
-    request = request_kwargs(point, model.sample_rate)
-    cfg = engine.config()
-    torch.manual_seed(seed)
-    engine.passes.reset()
-    sync(model.device)
-    t0 = time.perf_counter()
-    task = ov._preprocess_all(
-        text=list(texts), preprocess_prompt=cfg.preprocess_prompt, duration=durations,
-        **request,
-    )  # fmt: skip
-    codes = engine.generate_codes(task, cfg)
-    sync(model.device)
-    t1 = time.perf_counter()
-    audios = engine.codec(engine, codes, list(task.ref_rms), cfg)
-    t2 = time.perf_counter()
-    return Served(
-        latency_s=t2 - t0,
-        lm_s=t1 - t0,
-        codec_s=t2 - t1,
-        frames=[_frames(c) for c in codes],
-        audio=[np.asarray(a, dtype=np.float32) for a in audios],
-        sample_rate=model.sample_rate,
-    )
-
-
 def forward_passes(engine: Engine, cfg: Any, chunks: int, batch: int) -> tuple[int, int]:
     """(forwards, rows summed over them) of the last generation. The slot loop counts
     them (CFG late-off and early exit change both); the package's own loop runs num_step
@@ -219,12 +171,6 @@ def forward_passes(engine: Engine, cfg: Any, chunks: int, batch: int) -> tuple[i
         return counted.steps, counted.rows
     steps = cfg.num_step * chunks
     return steps, steps * 2 * batch
-
-
-def _frames(codes: Any) -> int:
-    if isinstance(codes, list):  # chunked long-form: one tensor per chunk
-        return sum(int(c.shape[-1]) for c in codes)
-    return int(codes.shape[-1])
 
 
 def _prompt_tokens(ov: Any, task: Any, cfg: Any) -> int:

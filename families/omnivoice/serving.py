@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from orchestrate.api.config import OperatingPoint, Workload
 from orchestrate.api.family import Serving
 from orchestrate.api.technique import Refused
+from orchestrate.families.omnivoice.batching import generate_many
 from orchestrate.families.omnivoice.engine import Engine
 from orchestrate.families.omnivoice.requests import operating_point
 
@@ -59,8 +60,6 @@ class BatchServer:
     def step(self) -> list[Event]:
         """Generate every admitted request together; each is then done, all its frames
         ready at once (the frames it got: fewer than asked leave it incomplete)."""
-        from orchestrate.families.omnivoice.family import generate_many
-
         batch, self.waiting = self.waiting, []
         rate = self.engine.model.frame_rate
         served = generate_many(
@@ -76,8 +75,6 @@ class BatchServer:
     def warm_up(self, frames: int) -> int:
         """One batch at one request and one at `rows` (compiled stacks compile per batch
         shape); returns the batches run. Untimed."""
-        from orchestrate.families.omnivoice.family import generate_many
-
         text = self.workload.prompts[0].text
         for n in sorted({1, self.rows}):
             duration = frames / self.engine.model.frame_rate
