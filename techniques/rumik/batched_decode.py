@@ -208,8 +208,8 @@ class BatchedDecoder:
         out = []
         for i in range(steps):
             hidden = self._forward(b, self.capacity)
-            logits, ids = self._logits(hidden, self.count[:b])
-            out.append((logits.clone(), ids.clone()))
+            logits, q = self._logits(hidden, self.count[:b])
+            out.append((logits.clone(), self._column_ids(q, b).clone()))
             self.ids[:b] = torch.tensor([t[i] for t in tokens], device=self.ids.device)
             self.pos[:b] += 1
             self.count[:b] += 1
@@ -253,24 +253,30 @@ class BatchedDecoder:
 
     def _logits(
         self, hidden: torch.Tensor, count: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's logits [b, C], float32, and the token id of each column [b, C]: its
-        codebook's (count % 8) with the codebook head, every audio unit's with the audio head."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's logits [b, C], float32, and the codebook q [b] they are of (count % 8)
+        with the codebook head; with the audio head every row has every unit (q None)."""
         b, c = hidden.shape[0], self.columns
         logits = (F.linear(hidden, self.head_w) * self.head.scale).float()
         if self.head_kind == "audio":
-            return logits, self.head.ids.expand(b, c)
+            return logits, None
         q = count % self.head.num_quantizers
         every = logits.view(b, -1, c)
-        return every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0], self.head.ids[q]
+        return every.gather(1, q[:, None, None].expand(b, 1, c))[:, 0], q
+
+    def _column_ids(self, q: torch.Tensor | None, b: int) -> torch.Tensor:
+        """The token id of each row's every column [b, C] (for fidelity, not the step)."""
+        return self.head.ids.expand(b, self.columns) if q is None else self.head.ids[q]
 
     def _sample(
         self, hidden: torch.Tensor, count: torch.Tensor, stop: torch.Tensor
     ) -> torch.Tensor:
-        """Each row's logits -> a seeded top-k draw -> its token id."""
+        """Each row's logits -> a seeded top-k draw -> its token id (the id of the drawn
+        column alone: the step gathers no [b, C] table of ids)."""
         b = hidden.shape[0]
-        logits, ids = self._logits(hidden, count)
-        return self.draw(logits, ids, count, stop, self.seed[:b], self.allow_end[:b])
+        logits, q = self._logits(hidden, count)
+        col = self._columns(logits, count, stop, self.seed[:b], self.allow_end[:b])
+        return self.head.ids[col] if q is None else self.head.ids[q, col]
 
     def draw(
         self,
@@ -282,8 +288,21 @@ class BatchedDecoder:
         allow_end: torch.Tensor,
     ) -> torch.Tensor:
         """The server's sampler on given rows ([b, C] logits and column ids; per row its
-        token count, stop-head verdict, seed and whether end-of-audio may be drawn): top-k
-        by Gumbel-max with noise hashed from (seed, count, column). Fidelity calls it too."""
+        token count, stop-head verdict, seed and whether end-of-audio may be drawn): the
+        token ids the step would draw. For fidelity's sampler check."""
+        col = self._columns(logits, count, stop, seed, allow_end)
+        return ids.gather(1, col[:, None])[:, 0]
+
+    def _columns(
+        self,
+        logits: torch.Tensor,
+        count: torch.Tensor,
+        stop: torch.Tensor,
+        seed: torch.Tensor,
+        allow_end: torch.Tensor,
+    ) -> torch.Tensor:
+        """Top-k by Gumbel-max with noise hashed from (seed, count, column): the column each
+        row draws; the stop head forces end-of-audio where it may end."""
         c = logits.shape[-1]
         may_end = allow_end & (count >= self.stop_from)
         end_col = torch.full_like(count, self.head.end)
@@ -293,8 +312,7 @@ class BatchedDecoder:
         top_vals, top_idx = torch.topk(scores, min(self.sampling.top_k, c), dim=-1)
         noisy = top_vals + gumbel_noise(seed, count, top_idx)
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
-        col = torch.where(may_end & stop, end_col, col)  # the stop head forces end-of-audio
-        return ids.gather(1, col[:, None])[:, 0]
+        return torch.where(may_end & stop, end_col, col)
 
 
 def _attention(name: str, model: RumikModel):
