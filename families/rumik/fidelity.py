@@ -208,17 +208,23 @@ def draw(
     return torch.cat([i.view(1) for i in ids]).cpu()
 
 
+def sampler_cases(heads: list[HeadLogits]) -> list[tuple[HeadLogits, bool, bool, int]]:
+    """(head output, allow_end, force_end, draws): SAMPLER_ROWS head outputs spread over the
+    steps, end-of-audio masked and allowed in turn, and one with end-of-audio forced."""
+    picks = sorted(
+        {round(i * (len(heads) - 1) / max(SAMPLER_ROWS - 1, 1)) for i in range(SAMPLER_ROWS)}
+    )
+    cases = [(heads[p], i % 2 == 1, False, SAMPLER_DRAWS) for i, p in enumerate(picks)]
+    return [*cases, (heads[picks[0]], False, True, FORCED_DRAWS)]
+
+
 @torch.inference_mode()
 def sampler_check(
     sampler: Sampler, heads: list[HeadLogits], sampling: SamplingConfig, seed: int
 ) -> tuple[float, float]:
     """(max TV, bound): `sampler` against stock's on a few of the engine's own head outputs
     (the columns and layout it meets in this stack), end-of-audio masked, allowed, forced."""
-    picks = sorted(
-        {round(i * (len(heads) - 1) / max(SAMPLER_ROWS - 1, 1)) for i in range(SAMPLER_ROWS)}
-    )
-    cases = [(heads[p], i % 2 == 1, False, SAMPLER_DRAWS) for i, p in enumerate(picks)]
-    cases.append((heads[picks[0]], False, True, FORCED_DRAWS))
+    cases = sampler_cases(heads)
     tv = 0.0
     for head, allow_end, force_end, n in cases:
         # Other seeds for the two: the bound is for independent samples.
@@ -335,11 +341,7 @@ def server_sampler_check(
     """(max TV, bound): the server's sampler (`dec.draw`: SAMPLER_DRAWS rows of one head
     output, each its own seed) against stock's sampler on the same logits, end-of-audio
     masked, allowed and forced, as sampler_check does for a single-stream sampler."""
-    picks = sorted(
-        {round(i * (len(heads) - 1) / max(SAMPLER_ROWS - 1, 1)) for i in range(SAMPLER_ROWS)}
-    )
-    cases = [(heads[p], i % 2 == 1, False, SAMPLER_DRAWS) for i, p in enumerate(picks)]
-    cases.append((heads[picks[0]], True, True, FORCED_DRAWS))
+    cases = sampler_cases(heads)
     tv = 0.0
     for k, (head, allow_end, force_end, n) in enumerate(cases):
         ref = draw(stock_sampler, head, n, seed, sampling, allow_end, force_end)
@@ -383,15 +385,21 @@ class Reference:
             floor = compare(fp32, stock, temperature, top_k, torch.float32)
         return cls(prompt_ids, tokens, stock, fp32, floor, temperature, top_k, model.dtype)
 
+    def logits_record(self, other: torch.Tensor) -> FidelityRecord:
+        """`other`'s canonical logits against stock's: the fixed fp32 bar, or in half
+        precision the noise floor of the fp32 upcast (judge_half)."""
+        rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
+        if self.fp32 is not None and self.floor is not None:
+            vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
+            rec = judge_half(rec, vs32, self.floor)
+        return rec
+
     def judge_server(self, engine: Engine, sampling: SamplingConfig, seed: int) -> FidelityRecord:
         """The engine's server (many streams at once): one of its rows teacher-forced against
         stock's logits, and its sampler's draws against stock's sampler on that row's logits.
         Within tolerance only if both are."""
         other, dec, heads = server_teacher_forced(engine, self.prompt_ids, self.tokens, sampling)
-        rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
-        if self.fp32 is not None and self.floor is not None:
-            vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
-            rec = judge_half(rec, vs32, self.floor)
+        rec = self.logits_record(other)
         tv, bound = server_sampler_check(dec, heads, sampling, seed)
         return rec.model_copy(
             update={
@@ -413,11 +421,7 @@ class Reference:
         heads: list[HeadLogits] = []  # kept only for a sampler test: full-vocab rows are big
         keep = heads if sampling is not None and replaces_sampler(engine) else None
         other = teacher_forced(engine, self.prompt_ids, self.tokens, keep)
-        rec = compare(self.stock, other, self.temperature, self.top_k, self.dtype)
-        if self.fp32 is not None and self.floor is not None:
-            vs32 = compare(self.fp32, other, self.temperature, self.top_k, torch.float32)
-            rec = judge_half(rec, vs32, self.floor)
-        rec = rec.model_copy(update=coverage(engine))
+        rec = self.logits_record(other).model_copy(update=coverage(engine))
         if sampling is None:
             return rec
         frames = -(-len(self.tokens) // engine.model.vocab.num_quantizers)  # >= the steps
