@@ -109,6 +109,18 @@ class Technique(abc.ABC):
         return f"{cls.name}@{cls.version}"
 
 
+def beyond_rows(workload: Workload, rows: int, streams: str, row_name: str) -> str | None:
+    """For a serving technique's `check_workload`: one line when the load has more
+    concurrent `streams` (the family's word: streams, requests) than its `rows`."""
+    load = workload.load
+    if load is None or not load.concurrency or load.concurrency <= rows:
+        return None
+    return (
+        f"{load.concurrency} concurrent {streams} exceed its {rows} {row_name} (raise rows: "
+        "or lower the concurrency)"
+    )
+
+
 @dataclass(frozen=True)
 class DeviceCaps:
     """What the device a stack will run on offers; requirements are checked against it."""

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from orchestrate.api.config import Workload
-from orchestrate.api.technique import Technique, TechniqueParams
+from orchestrate.api.technique import Technique, TechniqueParams, beyond_rows
 
 
 class BatchedRequestsParams(TechniqueParams):
@@ -36,12 +36,8 @@ class BatchedRequests(Technique):
         from orchestrate.families.omnivoice.serving import distinct_points, mixed_points
 
         assert isinstance(params, BatchedRequestsParams)
-        load = workload.load
-        if load is not None and load.concurrency and load.concurrency > params.rows:
-            return (
-                f"{load.concurrency} concurrent requests exceed its {params.rows} rows (raise "
-                "rows: or lower the concurrency)"
-            )
+        if why := beyond_rows(workload, params.rows, "requests", "rows"):
+            return why
         if len(points := distinct_points(workload)) > 1:
             return mixed_points(workload, len(points))
         return None

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from orchestrate.api.config import SamplingConfig, Workload
-from orchestrate.api.technique import Refused, Technique, TechniqueParams
+from orchestrate.api.technique import Refused, Technique, TechniqueParams, beyond_rows
 from orchestrate.families.rumik.engine import Engine
 
 
@@ -58,12 +58,8 @@ class BatchedDecode(Technique):
     @classmethod
     def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
         assert isinstance(params, BatchedDecodeParams)
-        load = workload.load
-        if load is not None and load.concurrency and load.concurrency > params.rows:
-            return (
-                f"{load.concurrency} concurrent streams exceed its {params.rows} cache rows "
-                "(raise rows: or lower the concurrency)"
-            )
+        if why := beyond_rows(workload, params.rows, "streams", "cache rows"):
+            return why
         if workload.sampling.top_p < 1.0:
             return (
                 f"its sampler draws top-k only; the workload's top_p "
