@@ -114,6 +114,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
     if row["noisy"]:
         caveats.append("NOISY run: its speedups are not to be trusted (reasons below the table).")
     device = env.get("device_name") or spec.device
+    scores = store.list_scores(row["id"])
     view = RunView(
         id=row["id"],
         title=f"run {row['id'][:12]} · {row['workload_name']} · {device}",
@@ -126,7 +127,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
         rows=rows,
         notes=notes,
         fidelity=_fidelity(row),
-        quality=_quality(store, row, random),
+        quality=_quality(scores, random),
         caveats=caveats,
     )
     view.headline_png = _headline_png(row, confidence, spec, device)
@@ -139,7 +140,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
     elif result.job.sealed_file is not None:
         view.listening_notes = ["A holdout run: its prompts and recordings stay sealed."]
     else:
-        view.listening, view.listening_notes = _listening(store, row, result)
+        view.listening, view.listening_notes = _listening(row, result, scores)
     return view
 
 
@@ -172,7 +173,7 @@ def _settings(row: dict[str, Any], spec: ModelSpec) -> list[tuple[str, str]]:
 
 
 def environment_rows(row: dict[str, Any], env: dict[str, Any]) -> list[tuple[str, str]]:
-    from orchestrate.reports.tables import environment_line
+    from orchestrate.reports.tables import host_line
 
     gpu = [env.get("device_name") or "?"]
     if env.get("driver"):
@@ -189,7 +190,7 @@ def environment_rows(row: dict[str, Any], env: dict[str, Any]) -> list[tuple[str
     versions += [f"{k} {v}" for k, v in sorted((env.get("packages") or {}).items())]
     return [
         ("device", " · ".join(gpu)),
-        ("host", environment_line(env).split(" · host ", 1)[-1].split(" · torch")[0]),
+        ("host", host_line(env)),
         ("versions", ", ".join(versions)),
         ("date", f"{row.get('started_at')} to {row.get('ended_at')} (UTC)"),
         ("commit", f"{sha}{' with uncommitted changes' if dirty else ''}"),
@@ -228,8 +229,8 @@ def _fidelity(row: dict[str, Any]) -> list[str]:
     return lines or ["No stack ran a fidelity comparison (a stock-only run, or none recorded)."]
 
 
-def _quality(store: Store, row: dict[str, Any], random: bool) -> list[str]:
-    scores = [r for r in store.list_scores(row["id"]) if r["status"] == "ok"]
+def _quality(all_scores: list[dict[str, Any]], random: bool) -> list[str]:
+    scores = [r for r in all_scores if r["status"] == "ok"]
     if not scores:
         return ["Not scored: `orchestrate score RUN` runs the quality scorers on the recordings."]
     by: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -289,14 +290,14 @@ def _headline_png(
 
 
 def _listening(
-    store: Store, row: dict[str, Any], result: ResultRecord
+    row: dict[str, Any], result: ResultRecord, scores: list[dict[str, Any]]
 ) -> tuple[list[Utterance], list[str]]:
     """Every (prompt, seed) with a recording in some stack, each stack's side by side."""
     from orchestrate.research.scoring_run import audio_root
 
     root = audio_root(result, row.get("result_path"))
     texts = {p.id: p.text for p in result.job.workload.prompts}
-    scored = {(r["stack"], r["prompt_id"], r["seed"]): r for r in store.list_scores(row["id"])}
+    scored = {(r["stack"], r["prompt_id"], r["seed"]): r for r in scores}
     keys: list[tuple[str, int]] = []
     paths: dict[tuple[str, str, int], Path] = {}
     for r in result.results:

@@ -207,14 +207,19 @@ def environment_line(env: Mapping[str, Any] | None) -> str:
     """What the numbers were measured on, host CPU included (a stock figure is the host's
     as much as the device's): device, CPU model, cores, max clock, single-thread speed."""
     env = env or {}
+    parts = [env.get("device_name") or "?", "host " + host_line(env)]
+    parts += [f"torch {env['torch']}"] if env.get("torch") else []
+    return "environment: " + " · ".join(parts)
+
+
+def host_line(env: Mapping[str, Any]) -> str:
+    """The host CPU: model, cores, max clock, single-thread speed."""
     cpu = [env.get("cpu_model") or "CPU ?", f"{env.get('cpu_count', '?')} logical cores"]
     if env.get("cpu_max_mhz"):
         cpu.append(f"max {env['cpu_max_mhz'] / 1e3:.2f} GHz")
     if env.get("cpu_single_thread_ms"):
         cpu.append(f"single-thread loop {env['cpu_single_thread_ms']:.1f} ms")
-    parts = [env.get("device_name") or "?", "host " + ", ".join(cpu)]
-    parts += [f"torch {env['torch']}"] if env.get("torch") else []
-    return "environment: " + " · ".join(parts)
+    return ", ".join(cpu)
 
 
 def stack_table(title: str | None, stacks: list[dict[str, Any]], confidence: float = 0.95) -> Table:
