@@ -297,7 +297,17 @@ def _listening(
 
     root = audio_root(result, row.get("result_path"))
     texts = {p.id: p.text for p in result.job.workload.prompts}
-    scored = {(r["stack"], r["prompt_id"], r["seed"]): r for r in scores}
+    # Every scorer of an utterance: WER and a transcript from one, MOS or SIM from another.
+    values: dict[tuple[str, str, int], dict[str, float]] = {}
+    heard: dict[tuple[str, str, int], str] = {}
+    for r in scores:
+        if r["status"] != "ok":
+            continue
+        key = (r["stack"], r["prompt_id"], r["seed"])
+        got = {k: float(v) for k, v in r["values"].items() if k in CLIP_SCORES}
+        values.setdefault(key, {}).update(got)
+        if transcript := (r.get("details") or {}).get("transcript"):
+            heard[key] = transcript
     keys: list[tuple[str, int]] = []
     paths: dict[tuple[str, str, int], Path] = {}
     for r in result.results:
@@ -315,18 +325,16 @@ def _listening(
     for prompt, seed in keys:
         clips = []
         for r in result.results:
-            path = paths.get((r.stack.name, prompt, seed))
-            score = scored.get((r.stack.name, prompt, seed)) or {}
-            values = {
-                k: float(v) for k, v in (score.get("values") or {}).items() if k in CLIP_SCORES
-            }
+            key = (r.stack.name, prompt, seed)
+            path = paths.get(key)
             clip, problem = None, None
             if path is not None:
                 try:
                     clip = listening_clip(path)
                 except UnreadableClip as exc:
                     problem = str(exc)
-            transcript = (score.get("details") or {}).get("transcript")
-            clips.append(StackClip(r.stack.name, clip, transcript, values, problem))
+            clips.append(
+                StackClip(r.stack.name, clip, heard.get(key), values.get(key, {}), problem)
+            )
         out.append(Utterance(f"{prompt} · seed {seed}", texts.get(prompt, ""), clips))
     return out, [f"Recordings from {root}."]

@@ -259,3 +259,42 @@ def test_a_failed_runs_page_says_why_and_has_nothing_to_play(stored_run, tmp_pat
     page = (tmp_path / "failed.html").read_text()
     assert "run error: worker exited with signal 9 (SIGKILL)" in page
     assert "<audio" not in page and "no recorded result: nothing to listen to" in page
+
+
+def test_each_clip_shows_every_scorers_figures(stored_run, tmp_path) -> None:
+    """Scores of one recording from two scorers (a transcriber listed before a similarity
+    scorer): the clip shows the transcript, WER and SIM together, not the last scorer's
+    alone; a score that failed its coverage is not shown."""
+    import sqlite3
+    from datetime import UTC, datetime
+
+    from orchestrate.store.store import Store
+
+    url, run_id, result = stored_run
+    db = tmp_path / "scored.db"
+    with sqlite3.connect(url.removeprefix("sqlite:///")) as src, sqlite3.connect(db) as dst:
+        src.backup(dst)  # the write-ahead log too: a file copy would miss it
+    scored_url = f"sqlite:///{db}"
+    stack = result.results[0].stack.name
+
+    def row(scorer: str, status: str, values: dict, details: dict) -> dict:
+        return {
+            "stack": stack, "utterance": 0, "scorer": scorer, "scorer_version": "1",
+            "kind": "test", "reference": False, "weights_id": "w", "status": status,
+            "values": values, "details": details, "resample": None, "packages": {},
+            "error": None if status == "ok" else "no speech found",
+        }  # fmt: skip
+
+    rows = [
+        row("asr", "ok", {"wer": 0.25}, {"transcript": "a heard line"}),
+        row("mos", "coverage_failure", {"mos": 9.0}, {}),
+        row("sim", "ok", {"sim": 0.5}, {}),
+    ]
+    Store(scored_url).add_scores(
+        run_id, result.job.job_id, rows, created_at=datetime.now(UTC),
+        protocol_hash="p", host="h",
+    )  # fmt: skip
+    _report(scored_url, run_id, tmp_path / "scored.html")
+    page = (tmp_path / "scored.html").read_text()
+    assert "a heard line" in page and "wer 0.25" in page and "sim 0.5" in page
+    assert "mos 9" not in page
