@@ -10,22 +10,19 @@ exploration's development runs, and labels clips by prompt id and seed.
 from __future__ import annotations
 
 import base64
-import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
-
 from orchestrate.api.config import ModelSpec, without_pydantic_detail
 from orchestrate.api.registry import get_family
+from orchestrate.reports.embed import new_figure, png_base64, write_page
 from orchestrate.reports.listening import LEVEL_NOTE, UnreadableClip, listening_clip
 
 if TYPE_CHECKING:
     from orchestrate.store.store import Store
 
-TEMPLATES = Path(__file__).parent / "templates"
 COLOURS = {"accept": "#1b5e20", "retain": "#b71c1c", "invalid": "#b71c1c", "error": "#b71c1c"}
 
 
@@ -96,13 +93,7 @@ def render(view: ExplorationView, out: Path) -> Path:
     """Draw the figures into `view` and write the page to `out`."""
     view.frontier_png = _png(_frontier_figure, view) if _measured(view) else None
     view.ladder_png = _png(_ladder_figure, view) if view.ladder else None
-    env = Environment(
-        loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"])
-    )
-    html = env.get_template("exploration.html.j2").render(v=view)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(html)
-    return out
+    return write_page("exploration.html.j2", out, v=view)
 
 
 def save_figures(view: ExplorationView, folder: Path, stem: str) -> list[Path]:
@@ -122,18 +113,9 @@ def _measured(view: ExplorationView) -> list[Node]:
 
 
 def _png(draw: Any, view: ExplorationView) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, same output on any machine
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = new_figure((8, 3.6))
     draw(ax, view)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_base64(fig, dpi=110)
 
 
 def _frontier_figure(ax: Any, view: ExplorationView) -> None:

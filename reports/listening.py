@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrate.reports.embed import new_figure, png_base64
 from orchestrate.running.audio import CLIP_LEVEL
 
 TARGET_RMS_DBFS = -20.0
@@ -95,12 +96,7 @@ def _gain(mono: np.ndarray, peak: float) -> float:
 
 
 def _spectrogram(audio: np.ndarray, rate: int) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(3.2, 1.3))
+    fig, ax = new_figure((3.2, 1.3))
     if audio.size >= 256:
         # a fixed dither at -100 dBFS: a silent stretch would otherwise be log(0)
         dither = 1e-5 * np.random.default_rng(0).standard_normal(audio.size)
@@ -110,8 +106,4 @@ def _spectrogram(audio: np.ndarray, rate: int) -> str:
     ax.set_xlabel("s", fontsize=6, labelpad=0)
     ax.set_ylabel("Hz", fontsize=6, labelpad=0)
     ax.tick_params(labelsize=5, pad=1)
-    fig.tight_layout(pad=0.2)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_base64(fig, dpi=90, pad=0.2)

@@ -11,16 +11,13 @@ page shows neither its texts nor its clips.
 
 from __future__ import annotations
 
-import base64
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
-
 from orchestrate.api.config import ModelSpec
 from orchestrate.api.registry import get_family
+from orchestrate.reports.embed import new_figure, png_base64, write_page
 from orchestrate.reports.listening import (
     LEVEL_NOTE,
     ListeningClip,
@@ -34,7 +31,6 @@ if TYPE_CHECKING:
     from orchestrate.api.records import ResultRecord
     from orchestrate.store.store import Store
 
-TEMPLATES = Path(__file__).parent / "templates"
 # Per-utterance score values shown beside a clip (the rest stay in `orchestrate scores`).
 CLIP_SCORES = ("wer", "cer", "mos", "sim")
 
@@ -80,13 +76,7 @@ class RunView:
 
 
 def render(view: RunView, out: Path) -> Path:
-    env = Environment(
-        loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"])
-    )
-    html = env.get_template("run.html.j2").render(v=view, level_note=LEVEL_NOTE)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(html)
-    return out
+    return write_page("run.html.j2", out, v=view, level_note=LEVEL_NOTE)
 
 
 def view_from_store(store: Store, run_id: str) -> RunView:
@@ -262,12 +252,7 @@ def _headline_png(
             )
     if not points:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(points) + 1.6))
+    fig, ax = new_figure((8, 0.5 * len(points) + 1.6))
     names = [p[0] for p in reversed(points)]
     values = [p[1] for p in reversed(points)]
     ax.barh(names, values, color="#1f5fa8")
@@ -282,11 +267,7 @@ def _headline_png(
         f"{spec.weights or spec.preset} · {device} · {row['workload_name']} · run {row['id'][:12]}",
         fontsize=9,
     )
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_base64(fig, dpi=110)
 
 
 def _listening(
