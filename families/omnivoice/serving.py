@@ -76,11 +76,12 @@ class BatchServer:
         """One batch at one request and one at `rows` (compiled stacks compile per batch
         shape); returns the batches run. Untimed."""
         text = self.workload.prompts[0].text
-        for n in sorted({1, self.rows}):
-            duration = frames / self.engine.model.frame_rate
+        duration = frames / self.engine.model.frame_rate
+        sizes = sorted({1, self.rows})
+        for n in sizes:
             generate_many(self.engine, [text] * n, [duration] * n, self.seed, self.point)
         self.batches = 0
-        return len({1, self.rows})
+        return len(sizes)
 
     def described(self) -> dict[str, str]:
         return {
