@@ -148,14 +148,15 @@ def test_a_killed_run_resumes_to_one_whole_result(env: dict[str, str], tmp_path:
 @pytest.mark.slow
 def test_a_resume_on_a_faster_host_is_marked_noisy(env: dict[str, str], tmp_path: Path) -> None:
     """Each utterance keeps the single-thread speed of the host that timed it; a resume on a
-    host 10x as fast as the killed run's (its journal edited to say so) finishes, and the run
-    says its figures mix hosts instead of quoting them as one host's."""
+    host 1000x as fast as the killed run's (its journal edited to say so) finishes, and the run
+    says its figures mix hosts instead of quoting them as one host's. (A 10x edit failed on a
+    contended CI host, whose resumed loop ran 2.5x slower than the killed run's: 4.0x spread.)"""
     old_id, old_dir = killed_run(env, tmp_path, "kill_after_utterances:2")
     path = old_dir / "utterances.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert all(r["utterance"]["host_loop_ms"] > 0 for r in rows)  # recorded by the worker
     for r in rows:
-        r["utterance"]["host_loop_ms"] *= 10  # far past this machine's own jitter
+        r["utterance"]["host_loop_ms"] *= 1000  # far past this machine's own jitter and load
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     out = cli(["run", "--resume", old_id[:8], "--json"], env, tmp_path)
@@ -163,7 +164,7 @@ def test_a_resume_on_a_faster_host_is_marked_noisy(env: dict[str, str], tmp_path
     run = json.loads(out.stdout)
     assert run["status"] == "FINISHED"
     spreads = {s["name"]: s["metrics"].get("host_loop_spread") for s in run["stacks"]}
-    mixed = [name for name, spread in spreads.items() if spread and spread > 5]
+    mixed = [name for name, spread in spreads.items() if spread and spread > 50]
     assert mixed, spreads  # the stacks with carried utterances: both hosts' speeds
     assert any("timed on hosts whose single-thread loop differs" in n for n in run["noisy"])
 
