@@ -46,6 +46,7 @@ from orchestrate.running.serving import (
     arrivals,
     check_load,
     drive,
+    phase_breakdown,
     summarise,
 )
 
@@ -193,6 +194,7 @@ def run_ours(
         wall_s=wall,
         steps=st.steps,
         mean_step_ms=1000 * wall / st.steps if st.steps else None,
+        phase_ms_per_step=phase_breakdown(server.phase_seconds(), wall, st.steps),
         mean_bucket_rows=st.step_rows / st.steps if st.steps else None,
         prefill_calls=st.prefills,
         buckets_used=sorted(st.buckets_used),
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
-    from orchestrate.techniques.rumik.batched_server import BatchedServer
+    from orchestrate.techniques.rumik.batched_server import PHASES, BatchedServer
 
     cuda = args.device == "cuda"
     preset = args.model or ("rumik-oss-1" if cuda else "tiny")
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "each stream's convolution tails, transformer window and position carried "
             "(families/rumik/mimi_stream.py: the whole sequence's audio, rounding apart)",
             "head": "codebook head (APPROXIMATE: codebook step % 8 per row, 2,049 columns)",
+            "phases": PHASES,
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
@@ -387,6 +390,50 @@ def brief(level: dict[str, Any]) -> str:
         f"{f(level['ttfa_p95_s'], 1e3)}/{f(level['ttfa_p99_s'], 1e3)} ms, RTF p50 "
         f"{f(level['rtf_p50'])}, steady p95 {f(level['steady_rtf_p95'])}, "
         f"{f(level['audio_s_per_s'])} audio s/s, step {f(level.get('mean_step_ms'))} ms"
+        + "".join(f", {name} {ms:.3g}" for name, ms in level.get("phase_ms_per_step", {}).items())
+    )
+
+
+def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
+    """Where each of our paths' step goes, per level: stacked ms per decode step by phase
+    (levels recorded before phases were timed are left out)."""
+    levels = [lv for lv in doc["levels"] if lv.get("phase_ms_per_step") and "error" not in lv]
+    paths = [p for p in PATHS.values() if any(lv["path"] == p for lv in levels)]
+    xs = sorted({lv["concurrency"] for lv in levels if lv.get("concurrency")})
+    if not paths or not xs:
+        ax.set_axis_off()
+        ax.set_title("phases not recorded in this file")
+        return
+    width = 0.8 / len(paths)
+    phases = list(dict.fromkeys(k for lv in levels for k in lv["phase_ms_per_step"]))
+    colors = {ph: f"C{i + 3}" for i, ph in enumerate(phases)}
+    for j, path in enumerate(paths):
+        by_n = {lv["concurrency"]: lv for lv in levels if lv["path"] == path}
+        for i, n in enumerate(xs):
+            if n not in by_n:
+                continue
+            bottom = 0.0
+            for ph in phases:
+                ms = max(0.0, by_n[n]["phase_ms_per_step"].get(ph, 0.0))
+                label = ph if (j, i) == (0, 0) else None
+                ax.bar(
+                    i + (j - (len(paths) - 1) / 2) * width,
+                    ms,
+                    width * 0.9,
+                    bottom=bottom,
+                    color=colors[ph],
+                    label=label,
+                    hatch="//" if j else None,
+                )
+                bottom += ms
+    ax.axhline(10.0, color="grey", lw=0.8, ls=":")  # 100 tokens per audio second
+    ax.set_xticks(range(len(xs)), [str(n) for n in xs])
+    ax.set(
+        xlabel="concurrent streams ("
+        + ", ".join(f"{'hatched' if j else 'plain'}: {p}" for j, p in enumerate(paths))
+        + ")",
+        ylabel="ms per decode step",
+        title="where a step goes (real time: under 10 ms)",
     )
 
 
@@ -402,7 +449,7 @@ def plot(src: Path, figure: str | None) -> int:
         print("matplotlib not installed: figure skipped (draw it later with --plot)")
         return 0
     doc = json.loads(src.read_text())
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4))
     paths = (("ours", "o-", "C0"), ("ours_triton", "^-", "C2"), ("baseline_b", "s--", "C1"))
     for path, style, color in paths:
         rows = sorted(
@@ -426,8 +473,10 @@ def plot(src: Path, figure: str | None) -> int:
     ax1.set(xlabel="concurrent streams", ylabel="TTFA p95 (ms)", title="time to first audio")
     ax2.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax2.set(xlabel="concurrent streams", ylabel="per-stream RTF", title="per-stream RTF")
-    for ax in (ax1, ax2):
-        ax.legend()
+    phase_bars(ax3, doc)
+    for ax in (ax1, ax2, ax3):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     env = doc["environment"]
     fig.suptitle(

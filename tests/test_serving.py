@@ -20,9 +20,15 @@ from orchestrate.running.serving import (
     arrivals,
     check_load,
     drive,
+    phase_breakdown,
     summarise,
 )
-from orchestrate.techniques.rumik.batched_server import BatchedServer, ServeRequest, ServingError
+from orchestrate.techniques.rumik.batched_server import (
+    PHASES,
+    BatchedServer,
+    ServeRequest,
+    ServingError,
+)
 
 FAMILY = get_family("rumik")
 GREEDY = SamplingConfig(top_k=1)
@@ -140,6 +146,22 @@ def test_driver_times_every_frame(model):
     assert level["streams"] == 3 and level["incomplete"] == 0
     assert all(len(r.frame_ready_s) == 3 for r in records)
     assert level["ttfa_p50_s"] > 0 and wall > 0
+    # Every phase the server ran is timed; together they fit inside the level's wall time.
+    spent = server.phase_seconds()
+    assert set(spent) == set(PHASES) and all(spent[p] > 0 for p in PHASES), spent
+    assert sum(spent.values()) <= wall
+    ms = phase_breakdown(spent, wall, server.stats.steps)
+    assert ms["other"] >= 0 and sum(ms.values()) == pytest.approx(1000 * wall / server.stats.steps)
+    server.clear()
+    assert sum(server.phase_seconds().values()) == 0
+
+
+def test_a_server_without_its_codec_spends_nothing_there(model):
+    server = BatchedServer(model, 2, 256, GREEDY, graphs=False, codec=False)
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k]), 2, seed=k) for k in range(2)]
+    drive(server, reqs, [0.0, 0.0], [2, 2], time_limit_s=60)
+    spent = server.phase_seconds()
+    assert spent["codec"] == 0 and spent["step"] > 0 and spent["prefill"] > 0
 
 
 def test_underruns_are_counted_per_chunk():
@@ -268,7 +290,10 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
         assert "error" not in lv, lv.get("traceback")
         assert lv["streams"] == lv["concurrency"] and lv["incomplete"] == 0
         assert lv["ttfa_p95_s"] > 0 and lv["audio_s"] == pytest.approx(lv["streams"] * 0.16)
+        if lv["path"] == "ours":  # where its step goes; baseline B is one generate() call
+            assert lv["phase_ms_per_step"]["step"] > 0 and lv["phase_ms_per_step"]["codec"] > 0
     assert doc["environment"]["git_sha"] and doc["not_built"]
+    assert set(doc["ours"]["phases"]) == {"prefill", "step", "codec", "host"}
 
 
 @pytest.mark.parametrize(
@@ -395,6 +420,9 @@ def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     assert doc["load_label"] == "3 concurrent streams"
     assert [s["frames"] for s in doc["per_stream"]] == [4, 4, 4]
     assert "streaming Mimi" in doc["server"]["codec"] and "ttfa_s" in doc["definitions"]
+    assert "codec: streaming Mimi" in doc["server"]["phases"]  # each phase defined
+    assert doc["phase_ms_per_step"]["step"] > 0 and doc["steps"] > 0
+    assert m["serve.phase_ms_per_step.codec"] == doc["phase_ms_per_step"]["codec"]
     fid = stack["fidelity"]  # the server's step teacher-forced against stock's
     assert fid["support_top1"] == 1.0 and fid["not_covered"] == {}
     assert fid["sampler_tv"] <= fid["sampler_tv_bound"]  # its sampler: stock's distribution

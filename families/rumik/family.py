@@ -178,6 +178,7 @@ class RumikFamily(Family):
             frame_s=per_frame / TOKENS_PER_S,
             warm_up=server.warm_up,
             described=server.described(),
+            phases=getattr(server, "phase_seconds", None),
         )
 
     def fidelity(

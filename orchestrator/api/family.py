@@ -152,7 +152,9 @@ class Serving:
     """A family's server for one serving workload, ready to be driven: the requests in
     arrival order, the frames each should produce, one frame's audio seconds, `warm_up`
     (graph capture and the like, untimed; returns what it captured) and what the server
-    does, in words, for the record."""
+    does, in words, for the record. `phases`, where the server times its work: seconds per
+    named phase (each ended by a device sync) since warm-up, which `described["phases"]`
+    defines."""
 
     server: StreamServer
     requests: list[StreamRequest]
@@ -160,6 +162,7 @@ class Serving:
     frame_s: float
     warm_up: Callable[[], int]
     described: dict[str, str]
+    phases: Callable[[], dict[str, float]] | None = None
 
 
 class Family(abc.ABC):

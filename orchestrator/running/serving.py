@@ -38,7 +38,19 @@ DEFINITIONS = {
     "audio_s_per_s": "aggregate: audio seconds completed by all streams / (last frame ready - "
     "first arrival)",
     "percentiles": "numpy linear interpolation over the level's streams",
+    "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
+    "in the record's server description) / decode steps, in ms; `other` is the level's wall "
+    "time outside them (the driver's loop, waiting for arrivals)",
 }
+
+
+def phase_breakdown(seconds: dict[str, float], wall_s: float, steps: int) -> dict[str, float]:
+    """Each phase's ms per decode step, and `other`: the wall time no phase accounts for."""
+    if steps <= 0:
+        return {}
+    out = {name: 1000 * s / steps for name, s in seconds.items()}
+    out["other"] = 1000 * (wall_s - sum(seconds.values())) / steps
+    return out
 
 
 class LoadError(ValueError):
@@ -232,6 +244,10 @@ def serve_stack(
     warm_s = time.perf_counter() - t0
     records, wall_s = drive(setup.server, setup.requests, arrived, setup.frames, load.time_limit_s)
     level = summarise(records, setup.frame_s, load.chunk_frames)
+    if setup.phases is not None:
+        steps = int(getattr(getattr(setup.server, "stats", None), "steps", 0))
+        level["steps"] = steps
+        level["phase_ms_per_step"] = phase_breakdown(setup.phases(), wall_s, steps)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "load": load.model_dump(mode="json"),
@@ -247,6 +263,10 @@ def serve_stack(
         f"serve.{key}": float(value)
         for key, value in level.items()
         if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    metrics |= {
+        f"serve.phase_ms_per_step.{name}": ms
+        for name, ms in level.get("phase_ms_per_step", {}).items()
     }
     metrics["serve.wall_s"] = wall_s
     return metrics, warm_s

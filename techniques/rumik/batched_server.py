@@ -19,6 +19,7 @@ finished stream). With `codec=False` frames are reported ready as soon as sample
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,16 @@ class StepEvent:
     done: bool
 
 
+# Where a server's wall time goes, each phase ended by a device sync so its seconds are the
+# device's work plus the host's (a phase's GPU work is not left to land in the next one).
+PHASES = {
+    "prefill": "admissions: prompts written into free rows' caches (eager)",
+    "step": "decode steps: graph replay (or eager step) and the sampled tokens' readback",
+    "codec": "streaming Mimi decode of completed chunks and their audio's readback",
+    "host": "host bookkeeping after each step (token append, stops, events), codec excluded",
+}
+
+
 @dataclass
 class ServerStats:
     steps: int = 0
@@ -52,6 +63,7 @@ class ServerStats:
     prefills: int = 0
     prefill_rows: int = 0
     buckets_used: set[tuple[int, int]] = field(default_factory=set)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
 def buckets(limit: int, small: tuple[int, ...], stride: int) -> list[int]:
@@ -129,7 +141,20 @@ class BatchedServer:
             "state carried per row"
             if self.codec_on
             else "excluded",
+            "phases": "; ".join(f"{name}: {what}" for name, what in PHASES.items()),
         }
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent per phase (PHASES) since the last `clear`."""
+        return dict(self.stats.seconds)
+
+    def _synced(self, phase: str, t0: float) -> float:
+        """Close `phase`, begun at `t0`, once the device has finished its work; returns now."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.stats.seconds[phase] += now - t0
+        return now
 
     @property
     def rows(self) -> int:
@@ -179,6 +204,7 @@ class BatchedServer:
             take.append(req)
         if not take:
             return 0
+        t0 = time.perf_counter()
         rows = [int(r) for r in free[: len(take)]]
         self.dec.prefill(
             rows,
@@ -194,6 +220,7 @@ class BatchedServer:
             self.row_decoded[row] = 0
         if self.stream is not None:
             self.stream.reset(torch.tensor(rows))
+        self._synced("prefill", t0)
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
         return len(take)
@@ -215,14 +242,21 @@ class BatchedServer:
         b, s = self.bucket()
         if self.graphs_on:
             graph, out = self.graphs.get((b, s)) or self._capture(b, s)
+            t0 = time.perf_counter()  # a capture (outside warm_up) is not a step's time
             graph.replay()
         else:
+            t0 = time.perf_counter()
             out = self.dec.step(b, s)
         sampled = out.cpu().numpy()  # the step's one host sync
+        t0 = self._synced("step", t0)
         self.stats.steps += 1
         self.stats.step_rows += b
         self.stats.buckets_used.add((b, s))
-        return self._collect(sampled)
+        codec = self.stats.seconds["codec"]
+        events = self._collect(sampled)
+        self._synced("host", t0)
+        self.stats.seconds["host"] -= self.stats.seconds["codec"] - codec  # timed inside
+        return events
 
     def _collect(self, sampled: np.ndarray) -> list[StepEvent]:
         """Vectorised over rows (host time here is GPU idle time: the step has synced)."""
@@ -256,6 +290,7 @@ class BatchedServer:
         """Stream-decode each row's pending frames, batched by chunk length; waits for the
         audio (its samples reach the host, as a server sends them)."""
         assert self.stream is not None
+        t0 = time.perf_counter()
         pf = self.per_frame
         for n in np.unique(frames):
             sel = frames == n
@@ -266,6 +301,7 @@ class BatchedServer:
             if self.audio is not None:
                 for row, chunk in zip(rows[sel], audio.numpy(), strict=True):
                     self.audio.setdefault(int(self.row_key[row]), []).append(chunk)
+        self._synced("codec", t0)
 
     # ---------------------------------------------------------------- graphs
 
