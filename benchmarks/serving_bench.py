@@ -54,13 +54,21 @@ FRAME_S = 0.08  # one Mimi frame: 8 tokens
 TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
 PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
+CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
+
+
+def path_name(attention: str, codec: str) -> str:
+    return PATHS[attention] + ("_overlap" if codec == "overlap" else "")
+
+
+ALL_PATHS = [path_name(a, c) for c in CODECS for a in PATHS]
 
 NOT_BUILT = [
     "this curve through the runner: `orchestrate run` serves one load per job through "
     "Family.serving (batched_decode, a workload's load:); this benchmark walks many levels "
     "and baseline B in one process, building the server directly",
     "baseline B as a technique (it is a static batch, not a stepped server)",
-    "the codec on its own CUDA stream or process (it runs between decode steps here)",
+    "the codec in its own process (--codec overlap runs it on a side CUDA stream)",
     "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
     "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
     "N different requests through OmniVoiceFamily.synthesize_many)",
@@ -85,6 +93,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="sdpa",
         help="our path's attention, comma-separated, each a path of its own run one after the "
         "other: sdpa (masked SDPA, path 'ours'), triton (batched kernel, path 'ours_triton')",
+    )
+    ap.add_argument(
+        "--codec",
+        default="sync",
+        help="codec modes, comma-separated, each a path per attention: sync (decoded before "
+        "the step returns), overlap (a side CUDA stream behind the next step; paths "
+        "suffixed _overlap)",
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--poisson", default="", help="RATE:DURATION_S,... levels for our path")
@@ -122,6 +137,10 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--attention {args.attention!r}: each one of {', '.join(PATHS)}")
     if "triton" in args.attention.split(",") and not cuda:
         raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
+    if not args.codec or any(c not in CODECS for c in args.codec.split(",")):
+        raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
+    if args.no_codec and args.codec != "sync":
+        raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     rows = args.rows if args.rows is not None else max(levels, default=0)
     loads = [Load(concurrency=n) for n in levels]
     loads += [Load(rate=r, duration_s=d) for r, d in poisson]
@@ -285,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "each stream's convolution tails, transformer window and position carried "
             "(families/rumik/mimi_stream.py: the whole sequence's audio, rounding apart)",
             "head": "codebook head (APPROXIMATE: codebook step % 8 per row, 2,049 columns)",
-            "phases": PHASES,
+            "phases": {name: what for name, what in PHASES.items()},
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
@@ -317,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     doc["model"]["build_s"] = time.perf_counter() - start
-    attentions = args.attention.split(",")
-    for which, attention in enumerate(attentions):  # one server at a time: one cache in memory
-        path = PATHS[attention]
+    runs = [(a, c) for c in args.codec.split(",") for a in args.attention.split(",")]
+    for which, (attention, codec) in enumerate(runs):  # one server at a time: one cache
+        path = path_name(attention, codec)
         server = BatchedServer(
             model,
             rows,
@@ -330,8 +349,15 @@ def main(argv: list[str] | None = None) -> int:
             chunk_frames=args.chunk_frames,
             max_prefill_tokens=args.max_prefill_tokens,
             attention=attention,
+            codec_overlap=codec == "overlap",
         )
-        mine = doc["ours"].setdefault("paths", {}).setdefault(path, {"attention": attention})
+        mine = (
+            doc["ours"]
+            .setdefault("paths", {})
+            .setdefault(
+                path, {"attention": attention, "codec": codec, "phases": list(server.phases)}
+            )
+        )
         t0 = time.perf_counter()
         mine["graphs_captured"] = server.warm_up()
         mine["capture_s"] = time.perf_counter() - t0
@@ -394,11 +420,14 @@ def brief(level: dict[str, Any]) -> str:
     )
 
 
+HATCHES, HATCH_NAMES = (None, "//", "..", "xx"), ("plain", "hatched", "dotted", "crossed")
+
+
 def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     """Where each of our paths' step goes, per level: stacked ms per decode step by phase
     (levels recorded before phases were timed are left out)."""
     levels = [lv for lv in doc["levels"] if lv.get("phase_ms_per_step") and "error" not in lv]
-    paths = [p for p in PATHS.values() if any(lv["path"] == p for lv in levels)]
+    paths = [p for p in ALL_PATHS if any(lv["path"] == p for lv in levels)]
     xs = sorted({lv["concurrency"] for lv in levels if lv.get("concurrency")})
     if not paths or not xs:
         ax.set_axis_off()
@@ -407,6 +436,7 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     width = 0.8 / len(paths)
     phases = list(dict.fromkeys(k for lv in levels for k in lv["phase_ms_per_step"]))
     colors = {ph: f"C{i + 3}" for i, ph in enumerate(phases)}
+    labelled: set[str] = set()
     for j, path in enumerate(paths):
         by_n = {lv["concurrency"]: lv for lv in levels if lv["path"] == path}
         for i, n in enumerate(xs):
@@ -415,7 +445,8 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
             bottom = 0.0
             for ph in phases:
                 ms = max(0.0, by_n[n]["phase_ms_per_step"].get(ph, 0.0))
-                label = ph if (j, i) == (0, 0) else None
+                label = None if ph in labelled else ph
+                labelled.add(ph)
                 ax.bar(
                     i + (j - (len(paths) - 1) / 2) * width,
                     ms,
@@ -423,15 +454,14 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
                     bottom=bottom,
                     color=colors[ph],
                     label=label,
-                    hatch="//" if j else None,
+                    hatch=HATCHES[j % len(HATCHES)],
                 )
                 bottom += ms
     ax.axhline(10.0, color="grey", lw=0.8, ls=":")  # 100 tokens per audio second
     ax.set_xticks(range(len(xs)), [str(n) for n in xs])
     ax.set(
-        xlabel="concurrent streams ("
-        + ", ".join(f"{'hatched' if j else 'plain'}: {p}" for j, p in enumerate(paths))
-        + ")",
+        xlabel="concurrent streams\nbars left to right: "
+        + ", ".join(f"{p} ({HATCH_NAMES[j % len(HATCHES)]})" for j, p in enumerate(paths)),
         ylabel="ms per decode step",
         title="where a step goes (real time: under 10 ms)",
     )
@@ -450,7 +480,13 @@ def plot(src: Path, figure: str | None) -> int:
         return 0
     doc = json.loads(src.read_text())
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4))
-    paths = (("ours", "o-", "C0"), ("ours_triton", "^-", "C2"), ("baseline_b", "s--", "C1"))
+    paths = (
+        ("ours", "o-", "C0"),
+        ("ours_triton", "^-", "C2"),
+        ("ours_overlap", "D-", "C4"),
+        ("ours_triton_overlap", "v-", "C5"),
+        ("baseline_b", "s--", "C1"),
+    )
     for path, style, color in paths:
         rows = sorted(
             (

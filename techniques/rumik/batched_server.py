@@ -7,13 +7,19 @@ The host loop, top to bottom, for one `step()`:
   3. read the b sampled tokens back (the one host sync per step), append them per row;
   4. a row whose token count reached its budget, or that sampled end-of-audio, is freed:
      the next `admit` prefills a waiting request into it while the other rows go on;
-  5. every `chunk_frames` completed frames of a row are decoded by Mimi, batched across the
-     rows that completed one this step, before the step reports those frames ready.
+  5. every `chunk_frames` completed frames of a row go to the codec (chunk_codec.py),
+     batched across the rows that completed one this step; a step reports frames ready
+     once their audio is on the host. `codec_overlap=False`: decoded before the step
+     returns; True: launched on a side CUDA stream behind the next step's graph, so the
+     codec runs while that step runs, and reported at the first step end after it is done.
+     A row that sampled its last token stops decoding at once and is freed (taken by the
+     next request) only when its last chunk's audio is ready.
 
 Codec: a streaming Mimi decode (families/rumik/mimi_stream.py) with one state row per
 cache row, reset when a request takes the row: a stream's chunks decode to the audio its
 whole code sequence decodes to, float rounding apart (tests/test_serving.py checks each
-finished stream). With `codec=False` frames are reported ready as soon as sampled.
+finished stream, in both modes). With `codec=False` frames are reported ready as soon as
+sampled.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ import torch
 
 from orchestrate.api.config import SamplingConfig
 from orchestrate.api.family import StreamRequest
-from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
 
 
 class ServingError(ValueError):
@@ -50,10 +56,16 @@ class StepEvent:
 # device's work plus the host's (a phase's GPU work is not left to land in the next one).
 PHASES = {
     "prefill": "admissions: prompts written into free rows' caches (eager)",
-    "step": "decode steps: graph replay (or eager step) and the sampled tokens' readback",
+    "step": "decode steps: graph replay (or eager step) and the sampled tokens' readback "
+    "(with codec overlap: the codec's kernels running beside it included, their launch not)",
     "codec": "streaming Mimi decode of completed chunks and their audio's readback",
+    "codec_launch": "codec overlap: host time launching chunks' decode on the codec stream "
+    "(their GPU time overlaps the step)",
+    "codec_wait": "codec overlap: waiting for chunks' audio with no decode step to overlap",
     "host": "host bookkeeping after each step (token append, stops, events), codec excluded",
 }
+SYNC_PHASES = ("prefill", "step", "codec", "host")
+OVERLAP_PHASES = ("prefill", "step", "codec_launch", "codec_wait", "host")
 
 
 @dataclass
@@ -63,7 +75,7 @@ class ServerStats:
     prefills: int = 0
     prefill_rows: int = 0
     buckets_used: set[tuple[int, int]] = field(default_factory=set)
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
 
 
 def buckets(limit: int, small: tuple[int, ...], stride: int) -> list[int]:
@@ -93,13 +105,16 @@ class BatchedServer:
         attention: str = "sdpa",
         keep_audio: bool = False,
         head: str = "codebook",
+        codec_overlap: bool = False,
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention, head)
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
-        self.codec_on, self.chunk_frames = codec, chunk_frames
-        self.stream = MimiStream(model.codec, rows) if codec else None
+        self.chunk_frames = chunk_frames
+        self.codec = ChunkCodec(model, rows, codec_overlap) if codec else None
+        self.overlap = codec and codec_overlap
+        self.phases = OVERLAP_PHASES if self.overlap else SYNC_PHASES
         # key -> its decoded chunks, kept only when asked (tests; a server sends them on)
         self.audio: dict[int, list[np.ndarray]] | None = {} if keep_audio else None
         self.max_prefill_tokens = max_prefill_tokens
@@ -110,13 +125,16 @@ class BatchedServer:
             [max_seq_len] if attention == "triton" else buckets(max_seq_len, (), ctx_stride)
         )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.stats = ServerStats()
+        self.stats = ServerStats(seconds=dict.fromkeys(self.phases, 0.0))
         # Host mirror of the rows.
         self.row_key = np.full(rows, -1, dtype=np.int64)
         self.row_budget = np.zeros(rows, dtype=np.int64)
         self.row_pos = np.zeros(rows, dtype=np.int64)  # next cache position, as on the device
         self.row_count = np.zeros(rows, dtype=np.int64)  # tokens sampled by the row's request
         self.row_decoded = np.zeros(rows, dtype=np.int64)  # its frames handed to the codec
+        self.row_ready = np.zeros(rows, dtype=np.int64)  # its frames whose audio is ready
+        self.row_finishing = np.zeros(rows, dtype=bool)  # sampled its last; audio pending
+        self._changed = np.empty(0, dtype=np.int64)  # no codec: rows whose frames are ready
         self.row_tokens = np.zeros((rows, sampling.max_new_tokens), dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # finished request key -> its token ids
 
@@ -139,9 +157,10 @@ class BatchedServer:
             "distribution, another random stream)",
             "codec": "streaming Mimi decode of each completed chunk, batched across streams, "
             "state carried per row"
-            if self.codec_on
+            + ("; launched on a side CUDA stream behind the next step" if self.overlap else "")
+            if self.codec is not None
             else "excluded",
-            "phases": "; ".join(f"{name}: {what}" for name, what in PHASES.items()),
+            "phases": "; ".join(f"{name}: {PHASES[name]}" for name in self.phases),
         }
 
     def phase_seconds(self) -> dict[str, float]:
@@ -149,9 +168,10 @@ class BatchedServer:
         return dict(self.stats.seconds)
 
     def _synced(self, phase: str, t0: float) -> float:
-        """Close `phase`, begun at `t0`, once the device has finished its work; returns now."""
+        """Close `phase`, begun at `t0`, once the device has finished its work on this
+        stream (not the codec's side stream, whose work overlaps); returns now."""
         if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         now = time.perf_counter()
         self.stats.seconds[phase] += now - t0
         return now
@@ -183,11 +203,14 @@ class BatchedServer:
     def clear(self) -> None:
         """Drop every row (a load level stopped by its time limit leaves some live)."""
         self.row_key[:] = -1
+        self.row_finishing[:] = False
         self.dec.active.zero_()
+        if self.codec is not None:
+            self.codec.clear()
         self.tokens.clear()
         if self.audio is not None:
             self.audio.clear()
-        self.stats = ServerStats()
+        self.stats = ServerStats(seconds=dict.fromkeys(self.phases, 0.0))
 
     @torch.inference_mode()
     def admit(self, reqs: list[ServeRequest]) -> int:
@@ -218,8 +241,9 @@ class BatchedServer:
             self.row_pos[row] = len(req.prompt_ids) - 1
             self.row_count[row] = 0
             self.row_decoded[row] = 0
-        if self.stream is not None:
-            self.stream.reset(torch.tensor(rows))
+            self.row_ready[row] = 0
+        if self.codec is not None:
+            self.codec.reset(rows)
         self._synced("prefill", t0)
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
@@ -237,8 +261,32 @@ class BatchedServer:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
+        """One decode step over the rows still sampling (none: only the codec's pending
+        chunks), then the events of rows whose audio became ready or that finished."""
         if self.live() == 0:
             return []
+        sampling = (self.row_key >= 0) & ~self.row_finishing
+        sampled = None
+        if sampling.any():
+            sampled = self._decode_step()
+        elif self.codec is not None and self.overlap:  # nothing to overlap: launch and wait
+            t0 = time.perf_counter()
+            launch = self._launch_codec()
+            self.codec.wait()
+            self.stats.seconds["codec_wait"] += time.perf_counter() - t0 - launch
+        t0 = time.perf_counter()
+        if sampled is not None:
+            self._collect(sampled)
+        if self.codec is not None and not self.overlap:
+            t1 = time.perf_counter()
+            self.codec.launch()  # and waits for the audio
+            self._synced("codec", t1)
+            t0 += time.perf_counter() - t1  # host time is the rest
+        events = self._report()
+        self._synced("host", t0)
+        return events
+
+    def _decode_step(self) -> np.ndarray:
         b, s = self.bucket()
         if self.graphs_on:
             graph, out = self.graphs.get((b, s)) or self._capture(b, s)
@@ -247,21 +295,27 @@ class BatchedServer:
         else:
             t0 = time.perf_counter()
             out = self.dec.step(b, s)
+        launch = self._launch_codec() if self.overlap else 0.0  # while the step runs
         sampled = out.cpu().numpy()  # the step's one host sync
-        t0 = self._synced("step", t0)
+        self._synced("step", t0 + launch)
         self.stats.steps += 1
         self.stats.step_rows += b
         self.stats.buckets_used.add((b, s))
-        codec = self.stats.seconds["codec"]
-        events = self._collect(sampled)
-        self._synced("host", t0)
-        self.stats.seconds["host"] -= self.stats.seconds["codec"] - codec  # timed inside
-        return events
+        return sampled
 
-    def _collect(self, sampled: np.ndarray) -> list[StepEvent]:
+    def _launch_codec(self) -> float:
+        """Start the queued chunks on the codec's stream; returns the host seconds it took."""
+        assert self.codec is not None
+        t0 = time.perf_counter()
+        self.codec.launch()
+        spent = time.perf_counter() - t0
+        self.stats.seconds["codec_launch"] += spent
+        return spent
+
+    def _collect(self, sampled: np.ndarray) -> None:
         """Vectorised over rows (host time here is GPU idle time: the step has synced)."""
         b, pf = len(sampled), self.per_frame
-        live = self.row_key[:b] >= 0
+        live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b]
         self.row_pos[:b] += live
         ended = live & (sampled == self.model.vocab.end_id)
         keep = np.flatnonzero(live & ~ended)
@@ -270,38 +324,47 @@ class BatchedServer:
         count = self.row_count[:b]
         done = live & (ended | (count >= self.row_budget[:b]))
         pending = count // pf - self.row_decoded[:b]
-        chunk = live & ((pending >= self.chunk_frames) | (done & (pending > 0)))
-        rows = np.flatnonzero(chunk)
-        if self.codec_on and len(rows):
-            self._decode(rows, self.row_decoded[rows], pending[rows])
+        rows = np.flatnonzero(live & ((pending >= self.chunk_frames) | (done & (pending > 0))))
+        if self.codec is not None and len(rows):
+            self.codec.put(rows, self.row_decoded[rows], pending[rows], self.row_tokens)
         self.row_decoded[rows] += pending[rows]
-        events = [
-            StepEvent(int(self.row_key[r]), int(self.row_decoded[r]), bool(done[r]))
-            for r in np.flatnonzero(chunk | done)
-        ]
-        for r in np.flatnonzero(done):
+        if self.codec is None:
+            self.row_ready[rows] = self.row_decoded[rows]
+            self._changed = rows
+        finished = np.flatnonzero(done)
+        for r in finished:
             self.tokens[int(self.row_key[r])] = self.row_tokens[r, : count[r]].tolist()
-            self.row_key[r] = -1
-        if done.any():
-            self.dec.active[torch.from_numpy(np.flatnonzero(done))] = 0
-        return events
+        self.row_finishing[finished] = True
+        if len(finished):
+            self.dec.active[torch.from_numpy(finished)] = 0
 
-    def _decode(self, rows: np.ndarray, first: np.ndarray, frames: np.ndarray) -> None:
-        """Stream-decode each row's pending frames, batched by chunk length; waits for the
-        audio (its samples reach the host, as a server sends them)."""
-        assert self.stream is not None
-        t0 = time.perf_counter()
-        pf = self.per_frame
-        for n in np.unique(frames):
-            sel = frames == n
-            idx = first[sel, None] * pf + np.arange(n * pf)[None, :]
-            toks = torch.from_numpy(self.row_tokens[rows[sel, None], idx])
-            codes = self.model.vocab.positional_codes_rows(toks)
-            audio = self.stream.decode(torch.from_numpy(rows[sel]), codes).float().cpu()
-            if self.audio is not None:
-                for row, chunk in zip(rows[sel], audio.numpy(), strict=True):
-                    self.audio.setdefault(int(self.row_key[row]), []).append(chunk)
-        self._synced("codec", t0)
+    def _report(self) -> list[StepEvent]:
+        """Events for the rows whose audio became ready and for the rows freed: those that
+        finished sampling and whose every frame's audio is ready."""
+        changed: set[int] = set()
+        if self.codec is None:
+            changed.update(int(r) for r in self._changed)
+            self._changed = np.empty(0, dtype=np.int64)
+        else:
+            for job in self.codec.finished():
+                self.row_ready[job.rows] = job.upto
+                changed.update(int(r) for r in job.rows)
+                if self.audio is not None:
+                    assert job.audio is not None
+                    for row, chunk in zip(job.rows, job.audio.numpy(), strict=True):
+                        self.audio.setdefault(int(self.row_key[row]), []).append(chunk)
+        free = {
+            int(r)
+            for r in np.flatnonzero(self.row_finishing & (self.row_ready == self.row_decoded))
+        }
+        events = [
+            StepEvent(int(self.row_key[r]), int(self.row_ready[r]), r in free)
+            for r in sorted(changed | free)
+        ]
+        free = np.array(sorted(free), dtype=np.int64)
+        self.row_key[free] = -1
+        self.row_finishing[free] = False
+        return events
 
     # ---------------------------------------------------------------- graphs
 

@@ -3,7 +3,8 @@
 Fills the `server` slot with a factory for techniques/rumik/batched_server.py's
 continuous-batching server: a static cache of `rows` rows with per-row positions, seeded
 per-row top-k, a CUDA graph per batch bucket (captured in the untimed warm-up), streaming
-Mimi decode per chunk. The worker drives it with the workload's load and records per-stream
+Mimi decode per chunk (between steps, or with `codec: overlap` on a side CUDA stream
+while the next step runs). The worker drives it with the workload's load and records per-stream
 figures (running/serving.py). APPROXIMATE: the sampler draws stock's top-k distribution
 from another random stream (as device_sampler's), and with `head: codebook` (the default)
 each row samples only codebook step % 8 (codebook_head's); `head: audio` keeps stock's
@@ -43,11 +44,19 @@ class BatchedDecodeParams(TechniqueParams):
         "(APPROXIMATE); audio: every audio unit + end, stock's distribution. One matmul "
         "either way (all 8 codebooks' rows); they differ in the columns sampled from.",
     )
+    codec: Literal["sync", "overlap"] = Field(
+        "sync",
+        description="sync: a step's completed chunks are decoded before it returns; overlap: "
+        "on a side CUDA stream behind the next step's graph (the same audio; CPU: one step "
+        "later, no second stream).",
+    )
 
 
 class BatchedDecode(Technique):
     name = "batched_decode"
-    version = 2  # 2: the `head` parameter (its default keeps version 1's codebook head)
+    # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec`
+    # (its default keeps the codec between steps)
+    version = 3
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -93,6 +102,7 @@ class BatchedDecode(Technique):
                 max_prefill_tokens=params.max_prefill_tokens,
                 attention=params.attention,
                 head=params.head,
+                codec_overlap=params.codec == "overlap",
             )
 
         engine.server = build
