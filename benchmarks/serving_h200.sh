@@ -7,11 +7,13 @@
 # call of its own (OV_TIMEOUT, default 120 s) where it matters.
 # 1. the batched attention kernel compiled: its tests against the reference and the
 #    one-stream kernel, the serving step against SDPA, graphs against eager steps;
-# 2. the Rumik curve, masked SDPA (`ours`) and the batched kernel (`ours_triton`) in one run,
-#    one server at a time, baseline B at 32 streams;
+# 2. the Rumik curve, one server at a time, baseline B at 32 streams: the batched kernel with
+#    the codec between steps (`ours_triton`) and on its own CUDA stream (`ours_triton_overlap`)
+#    by default (ATTENTION=sdpa,triton CODEC=sync adds masked SDPA, `ours`, as measured
+#    before); each level records where its step goes (prefill, step, codec, host);
 # 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved;
-# 4. the serving workload through the runner (rumik-batched against rumik-batched-640 and
-#    rumik-batched-640-audio on serve-gpu: 128 streams arriving together; each stack's
+# 4. the serving workload through the runner (rumik-batched against rumik-batched-640,
+#    rumik-batched-640-audio and rumik-batched-640-overlap on serve-gpu: 128 streams arriving together; each stack's
 #    server teacher-forced and its sampler checked against stock's), stored, JSON kept.
 set -o pipefail
 parts=" ${SERVING_PARTS:-tests rumik ov runner} "
@@ -21,7 +23,8 @@ timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py
 timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serving.py 2>&1 \
     | tee -a "$OUT/serving-gpu-tests.log" | tail -3
 fi
-[[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda --attention sdpa,triton \
+[[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
+    --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
     --levels "${LEVELS:-32,128,256,384,512,640}" --baseline-levels 32 --time-budget 250 \
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 [[ $parts == *" ov "* ]] && timeout "${OV_TIMEOUT:-120}" python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \
@@ -36,8 +39,8 @@ if [[ $parts == *" ov-runner "* ]]; then
 fi
 [[ $parts == *" runner "* ]] || exit 0
 rm -f /tmp/serve.db
-timeout 240 python3 -m orchestrate.cli run --stack rumik-batched-640 \
-    --stack rumik-batched-640-audio --workload serve-gpu \
+timeout 330 python3 -m orchestrate.cli run --stack rumik-batched-640 \
+    --stack rumik-batched-640-audio --stack rumik-batched-640-overlap --workload serve-gpu \
     --model rumik-oss-1 --device cuda --db sqlite:////tmp/serve.db --runs-dir /tmp/serve-runs \
     --no-mlflow --json > "$OUT/serve-run.json" 2> "$OUT/serve-run.log"
 tail -3 "$OUT/serve-run.log"
