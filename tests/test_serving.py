@@ -117,6 +117,26 @@ def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_fr
         assert np.abs(got - whole).max() <= 1e-5 * scale, req.key
 
 
+def test_padded_prompt_writes_give_the_unpadded_tokens(model):
+    """Prompt writes padded to (rows, tokens) buckets, as their CUDA graphs replay them (run
+    eagerly here): 39 rows admitted at once (two chunks, 32 and 7 rows, the 7 padded to 8
+    with the scratch row) and a prompt longer than every length bucket (its chunk written
+    at its own shape) give every request the tokens of unpadded writes."""
+    long_text = " ".join(["a much longer prompt than the rest"] * 4)
+    texts = [long_text] + [TEXTS[k % 4] for k in range(38)]
+    reqs = [ServeRequest(k, prompt(model, t), 1, seed=k) for k, t in enumerate(texts)]
+    assert len(reqs[0].prompt_ids) - 1 > 128  # beyond tiny's longest bucket (cache 256)
+    runs = []
+    for pad in (False, True):
+        server = serve(model, reqs, 40, TOPK, pad_prefill=pad)
+        runs.append(server.tokens)
+        assert server.stats.prefills == 1
+        if pad:
+            assert server.prefill_row_buckets[-1] == 32 and server.prefill_len_buckets[-1] == 128
+            assert server.stats.prefill_writes == {"eager": 1, "padded": 1}
+    assert runs[0] == runs[1]
+
+
 def test_seeds_change_the_draw(model):
     ids = prompt(model, TEXTS[0])
     a = serve(model, [ServeRequest(0, ids, 4, seed=1)], 1, TOPK).tokens[0]
@@ -247,16 +267,20 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for graphs in (False, True):
+    for graphs in (False, True):  # graphs: the decode steps' and the padded prompt writes'
         server = BatchedServer(gpu_model, 2, 256, TOPK, graphs=graphs, codec=True)
         assert server.warm_up() == (
-            len(server.batch_buckets) * len(server.ctx_buckets) if graphs else 0
+            len(server.batch_buckets) * len(server.ctx_buckets)
+            + len(server.prefill_row_buckets) * len(server.prefill_len_buckets)
+            if graphs
+            else 0
         )
         waiting = list(reqs)
         while waiting or server.live():
             waiting = waiting[server.admit(waiting) :]
             server.step()
         runs.append(server.tokens)
+        assert set(server.stats.prefill_writes) == ({"graph"} if graphs else {"eager"})
     assert runs[0] == runs[1]
 
 

@@ -105,7 +105,9 @@ class BatchedDecoder:
         self.sliding = [t == "sliding_attention" for t in cfg.layer_types]
         self.window = cfg.sliding_window
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        shape = (len(self.norms), rows, self.hkv, max_seq_len, self.d)
+        # One row more than the streams': `scratch`, where padded prefill rows write.
+        self.scratch = rows
+        shape = (len(self.norms), rows + 1, self.hkv, max_seq_len, self.d)
         self.k = torch.zeros(shape, dtype=dt, device=dev)
         self.v = torch.zeros(shape, dtype=dt, device=dev)
         inv_freq = lm.model.rotary_emb.inv_freq.float().to(dev)
@@ -153,23 +155,37 @@ class BatchedDecoder:
         are untouched) and arm the row: its next step reads the last prompt token."""
         dev = self.ids.device
         t = max(len(p) for p in prompts) - 1
+        if t > 0:
+            self.write_prompts(torch.tensor(rows, device=dev), prompt_ids(prompts, t, dev))
+        self.arm(rows, prompts, seeds, allow_end)
+
+    def write_prompts(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Prompts `ids` [n, t] (right-padded) into cache rows `rows` [n], positions [0, t):
+        fixed shapes, no host sync, so a CUDA graph per (n, t) can replay it. A padded
+        position is overwritten by the row's own step before the row reads it; a padding
+        row may be `scratch`, a cache row no stream owns."""
+        t = ids.shape[1]
+        positions = torch.arange(t, device=ids.device)
+        cos, sin = self.cos[positions], self.sin[positions]
+        ahead = positions[:, None] - positions[None, :]
+        causal, sliding = ahead >= 0, (ahead >= 0) & (ahead < self.window)
+
+        def attend(i: int, q, k, v) -> torch.Tensor:
+            self.k[i, rows, :, :t] = k
+            self.v[i, rows, :, :t] = v
+            mask = sliding if self.sliding[i] else causal
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.d**-0.5, enable_gqa=True
+            )
+
+        self._layers(F.embedding(ids, self.embed), cos, sin, attend)
+
+    def arm(
+        self, rows: list[int], prompts: list[list[int]], seeds: list[int], allow_end: list[bool]
+    ) -> None:
+        """Each row's state for its new stream: its next step reads its last prompt token."""
+        dev = self.ids.device
         r = torch.tensor(rows, device=dev)
-        if t > 0:  # right-padded; a padded position is overwritten before any row reads it
-            ids = torch.tensor([p[:-1] + [0] * (t + 1 - len(p)) for p in prompts], device=dev)
-            positions = torch.arange(t, device=dev)
-            cos, sin = self.cos[positions], self.sin[positions]
-            ahead = positions[:, None] - positions[None, :]
-            causal, sliding = ahead >= 0, (ahead >= 0) & (ahead < self.window)
-
-            def attend(i: int, q, k, v) -> torch.Tensor:
-                self.k[i, r, :, :t] = k
-                self.v[i, r, :, :t] = v
-                mask = sliding if self.sliding[i] else causal
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=self.d**-0.5, enable_gqa=True
-                )
-
-            self._layers(F.embedding(ids, self.embed), cos, sin, attend)
         self.ids[r] = torch.tensor([p[-1] for p in prompts], device=dev)
         self.pos[r] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         self.count[r] = 0
@@ -313,6 +329,11 @@ class BatchedDecoder:
         noisy = top_vals + gumbel_noise(seed, count, top_idx)
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
         return torch.where(may_end & stop, end_col, col)
+
+
+def prompt_ids(prompts: list[list[int]], t: int, device: torch.device) -> torch.Tensor:
+    """Every prompt but its last token, right-padded with 0 to `t` columns: [n, t]."""
+    return torch.tensor([p[:-1] + [0] * (t + 1 - len(p)) for p in prompts], device=device)
 
 
 def _attention(name: str, model: RumikModel):
