@@ -69,7 +69,8 @@ NOT_BUILT = [
     "and baseline B in one process, building the server directly",
     "baseline B as a technique (it is a static batch, not a stepped server)",
     "the codec in its own process (--codec overlap runs it on a side CUDA stream)",
-    "graphs for prefill (prefill runs eagerly, at most --max-prefill-tokens per admission)",
+    "admission pacing: every step admits what has arrived (each admission a prefill, graphed "
+    "per (rows, tokens) bucket, at most --max-prefill-tokens)",
     "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
     "N different requests through OmniVoiceFamily.synthesize_many)",
 ]
