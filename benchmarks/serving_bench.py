@@ -9,7 +9,8 @@ then walks a curve of concurrency levels, ascending, interleaving at each level:
              static batch of the level's streams (techniques/rumik/batched_baseline.py),
              at the levels in --baseline-levels only (each batch size compiles anew).
 Every stream of a level arrives at t = 0 (N concurrent streams); --poisson adds levels of
-Poisson arrivals for our path. Figures per level: orchestrator/running/serving.py. The JSON
+Poisson arrivals for our path, --sustained levels of arrivals that keep N streams playing
+(figures apart for its window). Figures per level: orchestrator/running/serving.py. The JSON
 is rewritten after every level, so a run stopped by its time limit keeps what it measured.
 
     python benchmarks/serving_bench.py --device cuda --model rumik-oss-1 --out $OUT/serving.json
@@ -48,6 +49,7 @@ from orchestrate.running.serving import (
     drive,
     phase_breakdown,
     summarise,
+    sustained,
 )
 
 FRAME_S = 0.08  # one Mimi frame: 8 tokens
@@ -104,6 +106,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--poisson", default="", help="RATE:DURATION_S,... levels for our path")
+    ap.add_argument(
+        "--sustained",
+        default="",
+        help="LIVE:DURATION_S,... levels for our path: Poisson arrivals keeping LIVE streams "
+        "playing, figures apart for the window (after one stream's length)",
+    )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serving.json")
@@ -131,6 +139,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
             for p in args.poisson.split(",")
             if p.strip()
         ]
+        sustains = [
+            (int(p.split(":")[0]), float(p.split(":")[1]))
+            for p in args.sustained.split(",")
+            if p.strip()
+        ]
     except ValueError as exc:
         raise LoadError(f"cannot read a level list: {exc}") from exc
     unknown = [a for a in args.attention.split(",") if a not in PATHS]
@@ -145,6 +158,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
     rows = args.rows if args.rows is not None else max(levels, default=0)
     loads = [Load(concurrency=n) for n in levels]
     loads += [Load(rate=r, duration_s=d) for r, d in poisson]
+    stream_s = (args.frames or (80 if cuda else 4)) * FRAME_S
+    loads += [sustained(n, d, stream_s) for n, d in sustains]
     if not loads:
         raise LoadError("no load levels given")
     for load in loads:
@@ -202,9 +217,10 @@ def run_ours(
         ServeRequest(k, prompt, frames, seed=args.seed * 100_003 + k) for k in range(len(times))
     ]
     server.clear()
-    records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s)
+    trace: list[tuple[float, int]] = []
+    records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
     st = server.stats
-    level = summarise(records, FRAME_S, args.chunk_frames)
+    level = summarise(records, FRAME_S, args.chunk_frames, load, trace)
     level.update(
         path=path,
         load=load.label(),
@@ -418,6 +434,12 @@ def brief(level: dict[str, Any]) -> str:
         f"{f(level['rtf_p50'])}, steady p95 {f(level['steady_rtf_p95'])}, "
         f"{f(level['audio_s_per_s'])} audio s/s, step {f(level.get('mean_step_ms'))} ms"
         + "".join(f", {name} {ms:.3g}" for name, ms in level.get("phase_ms_per_step", {}).items())
+        + (
+            f"; sustained window: served {w['served']}/{w['streams']}, TTFA p95 "
+            f"{f(w['ttfa_p95_s'], 1e3)} ms, live mean {f(w['live_mean'])}"
+            if (w := level.get("sustained_window"))
+            else ""
+        )
     )
 
 

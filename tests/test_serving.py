@@ -23,6 +23,7 @@ from orchestrate.running.serving import (
     drive,
     phase_breakdown,
     summarise,
+    sustained,
 )
 from orchestrate.techniques.rumik.batched_server import (
     OVERLAP_PHASES,
@@ -218,6 +219,27 @@ def test_the_technique_parameter_overlaps_the_codec(model, tmp_path):
     assert "side CUDA stream" in json.loads((tmp_path / "s.json").read_text())["server"]["codec"]
 
 
+def test_a_sustained_workload_reports_its_window_through_the_worker(model, tmp_path):
+    """A workload's `sustained:` load reaches the worker's driver with the family's frame
+    length: its metrics carry the sustained window's figures and live count."""
+    from orchestrate.api.config import ServingLoad, load_workload
+    from orchestrate.running.serving import serve_stack
+
+    work = load_workload("serve-smoke")
+    work = work.model_copy(
+        update={"load": ServingLoad(sustained=2, duration_s=0.8, frames=4, time_limit_s=60)}
+    )
+    spec = StackSpec(name="b", techniques=[TechniqueRef(name="batched_decode", params={"rows": 4})])
+    engine = FAMILY.build_engine(model, build_stack(spec, DeviceCaps("cpu"), strict=True))
+    metrics, _ = serve_stack(FAMILY, engine, work, tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["load_label"] == "sustained 2 streams for 0.8 s"
+    window = doc["sustained_window"]
+    assert window["from_s"] == pytest.approx(0.32) and window["to_s"] == 0.8  # 4 frames of 80 ms
+    assert metrics["serve.sustained_window.streams"] == window["streams"] >= 1
+    assert window["live_mean"] > 0 and metrics["serve.sustained_window.live_max"] >= 1
+
+
 def test_a_server_without_its_codec_spends_nothing_there(model):
     server = BatchedServer(model, 2, 256, GREEDY, graphs=False, codec=False)
     reqs = [ServeRequest(k, prompt(model, TEXTS[k]), 2, seed=k) for k in range(2)]
@@ -244,11 +266,45 @@ def test_underruns_are_counted_per_chunk():
         (Load(concurrency=9), "exceeds the cache's 8 rows"),
         (Load(rate=5.0), "without a duration"),
         (Load(duration_s=3.0), "needs an arrival rate"),
+        (sustained(9, 20.0, 6.4), "a sustained 9 live streams exceed the cache's 8 rows"),
     ],
 )
 def test_bad_loads(load, message):
     with pytest.raises(LoadError, match=message):
         check_load(load, rows=8)
+
+
+def test_a_sustained_load_keeps_its_streams_playing_and_opens_its_window_after_one():
+    """600 streams of 6.4 s kept playing: 93.75 arrivals a second (Little's law), the window
+    opening at 6.4 s; arrivals shorter than two streams leave no window."""
+    load = sustained(600, 20.0, 6.4)
+    assert load.rate == pytest.approx(93.75) and load.window_from_s == 6.4
+    assert load.label() == "sustained 600 (poisson 93.75/s for 20 s)"
+    with pytest.raises(LoadError, match="no sustained window"):
+        sustained(600, 12.0, 6.4)
+    with pytest.raises(LoadError, match="at least 1 live stream"):
+        sustained(0, 20.0, 6.4)
+
+
+def test_the_sustained_window_counts_only_its_streams_and_time():
+    """Streams arriving before the window or after its end are left out of its figures;
+    its live count is time-weighted over the window alone."""
+    load = Load(rate=4.0, duration_s=1.6, live=2, window_from_s=0.6)
+
+    def stream(key: int, arrival: float, late: bool) -> StreamRecord:
+        ready = [arrival + 0.05, arrival + 0.13 + (0.5 if late else 0.0)]
+        return StreamRecord(key, arrival, 2, arrival, ready, done=True)
+
+    records = [stream(0, 0.0, True), stream(1, 0.7, False), stream(2, 1.5, True)]
+    trace = [(0.0, 1), (1.0, 3), (2.0, 2), (3.0, 0)]
+    level = summarise(records, 0.08, 1, load, trace)
+    window = level["sustained_window"]
+    assert level["streams"] == 3 and window["streams"] == 2  # stream 0 came before it
+    assert window["served"] == 1 and window["behind"] == 1
+    assert (window["from_s"], window["to_s"]) == (0.6, 1.6)
+    # 0.4 s with 1 live, 0.6 s with 3 live: (0.4 * 1 + 0.6 * 3) / 1.0
+    assert window["live_mean"] == pytest.approx(2.2) and window["live_max"] == 3
+    assert "sustained_window" not in summarise(records, 0.08, 1, Load(concurrency=3), trace)
 
 
 def test_poisson_arrivals_are_seeded_and_bounded():
@@ -535,6 +591,21 @@ LOADS = {
     ),
     "single-stream": ("", "rumik-batched", "is single-stream (it has no `load:`)"),
     "no-server": ("load: {concurrency: 2, frames: 4}", "exp74", "no technique that serves many"),
+    "sustained-too-short": (  # 4 frames of 80 ms: a window needs 0.64 s of arrivals
+        "load: {sustained: 2, duration_s: 0.5, frames: 4}",
+        "rumik-batched",
+        "has no sustained window: arrivals must last at least twice a stream's 0.32 s",
+    ),
+    "sustained-beyond-rows": (
+        "load: {sustained: 200, duration_s: 10, frames: 4}",
+        "rumik-batched",
+        "a sustained 200 live streams exceed its 128 cache rows",
+    ),
+    "sustained-and-rate": (
+        "load: {sustained: 2, rate: 3.0, duration_s: 10, frames: 4}",
+        "rumik-batched",
+        "not rate and sustained",
+    ),
     "top-p": (
         "load: {concurrency: 2, frames: 4}\nsampling: {top_p: 0.9}",
         "rumik-batched",

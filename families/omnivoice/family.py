@@ -33,6 +33,7 @@ class OmniVoiceFamily(Family):
     baseline = "ov-a"
     workload = "ov-smoke"
     serving_baseline = "ov-batched"
+    frame_s = 0.04  # the audio tokenizer's 25 Hz frames (model.frame_rate)
     # What `exact` rests on (the run table's fidelity line): families/omnivoice/fidelity.py.
     fidelity_covers = (
         "stock's canvases teacher-forced through the stack's forward and guidance, and "

@@ -34,6 +34,7 @@ class RumikFamily(Family):
     name = "rumik"
     slots = SLOTS
     serving_baseline = "rumik-batched"
+    frame_s = 0.08  # Mimi at 12.5 Hz: 8 tokens
     presets = tuple(PRESETS)
     summary = "Rumik OSS 1: Cohere2 codec LM (8 Mimi codebooks per 80 ms frame) + Mimi decoder"
 

@@ -174,14 +174,19 @@ MAX_STREAMS, MAX_SERVE_S = 65536, 3600.0
 
 
 class ServingLoad(Strict):
-    """Many streams at once: N arriving together (`concurrency`) or Poisson arrivals at
-    `rate` per second for `duration_s`. A workload with a load is a serving workload: its
-    stacks need a technique that serves many streams (Rumik: `batched_decode`), and its
-    figures are per stream (time to first audio, underruns, served) instead of per
-    utterance. Streams take the workload's prompts and seeds in turn."""
+    """Many streams at once: N arriving together (`concurrency`), Poisson arrivals at
+    `rate` per second for `duration_s`, or a sustained load (`sustained`: Poisson arrivals for
+    `duration_s` at the rate that keeps that many streams playing, its figures also kept
+    apart for the streams arriving once that many could be live). A workload with a load is
+    a serving workload: its stacks need a technique that serves many streams (Rumik:
+    `batched_decode`), and its figures are per stream (time to first audio, underruns,
+    served) instead of per utterance. Streams take the workload's prompts and seeds in turn."""
 
     concurrency: int | None = Field(None, ge=1, le=MAX_STREAMS)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second.")
+    sustained: int | None = Field(
+        None, ge=1, le=MAX_STREAMS, description="Streams kept playing by Poisson arrivals."
+    )
     duration_s: float | None = Field(None, gt=0, le=MAX_SERVE_S, description="Arrivals stop after.")
     frames: int = Field(80, ge=1, le=MAX_FRAMES, description="Audio frames (80 ms) per stream.")
     chunk_frames: int = Field(1, ge=1, le=MAX_FRAMES, description="Frames per audio chunk sent.")
@@ -195,17 +200,25 @@ class ServingLoad(Strict):
 
     @model_validator(mode="after")
     def _one_shape(self) -> ServingLoad:
-        if self.rate is not None and self.concurrency is not None:
-            raise ValueError("give either a concurrency or an arrival rate, not both")
+        shapes = [n for n in ("concurrency", "rate", "sustained") if getattr(self, n) is not None]
+        if len(shapes) > 1:
+            given = " and ".join(shapes)
+            raise ValueError(f"give one of concurrency, rate and sustained, not {given}")
+        if self.sustained is not None:
+            if self.duration_s is None:
+                raise ValueError(f"sustained: {self.sustained} needs a duration_s")
+            return self  # its length against a stream's: orchestrate.running.serving.sustained
         if self.rate is not None and self.duration_s is None:
             raise ValueError(f"arrival rate {self.rate:g}/s given without a duration_s")
         if self.rate is None and self.duration_s is not None:
             raise ValueError(f"a duration_s ({self.duration_s:g} s) needs an arrival rate")
         if self.rate is None and self.concurrency is None:
-            raise ValueError("a load needs a concurrency or an arrival rate")
+            raise ValueError("a load needs a concurrency, an arrival rate or sustained")
         return self
 
     def label(self) -> str:
+        if self.sustained is not None:
+            return f"sustained {self.sustained} streams for {self.duration_s:g} s"
         if self.rate is not None:
             return f"Poisson {self.rate:g}/s for {self.duration_s:g} s"
         return f"{self.concurrency} concurrent streams"

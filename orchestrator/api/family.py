@@ -178,6 +178,8 @@ class Family(abc.ABC):
     # The baseline of a serving workload (one with a `load:`), whose stacks must all serve
     # many streams; None: the family serves one stream at a time.
     serving_baseline: ClassVar[str | None] = None
+    # Audio seconds in one frame of a serving load's `frames` (its codec's frame rate).
+    frame_s: ClassVar[float | None] = None
     summary: ClassVar[str] = ""
 
     @classmethod

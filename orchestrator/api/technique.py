@@ -113,6 +113,11 @@ def beyond_rows(workload: Workload, rows: int, streams: str, row_name: str) -> s
     """For a serving technique's `check_workload`: one line when the load has more
     concurrent `streams` (the family's word: streams, requests) than its `rows`."""
     load = workload.load
+    if load is not None and load.sustained and load.sustained > rows:
+        return (
+            f"a sustained {load.sustained} live {streams} exceed its {rows} {row_name} "
+            "(raise rows: or lower sustained)"
+        )
     if load is None or not load.concurrency or load.concurrency <= rows:
         return None
     return (

@@ -17,9 +17,10 @@ from orchestrate.api import sealed
 from orchestrate.api.config import ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import JobSpec
-from orchestrate.api.registry import StackError, build_stack, technique_code
+from orchestrate.api.registry import StackError, build_stack, get_family, technique_code
 from orchestrate.api.technique import BuiltStack, DeviceCaps
 from orchestrate.running.environment import code_state
+from orchestrate.running.serving import LoadError, load_shape
 
 
 def plan_job(
@@ -51,6 +52,11 @@ def plan_job(
             )
         built = build_stack(stack, caps, strict=strict)  # raises on anything invalid
         check_serving(stack.name, built, workload)
+    if workload.load is not None:  # a sustained load too short for its streams, before building
+        try:
+            load_shape(workload.load, get_family(model.family).frame_s)
+        except LoadError as exc:
+            raise StackError(f"workload {workload.name!r}: {exc}") from exc
     if fidelity_steps < 0:  # before pydantic, whose message would name a model, not an option
         raise ValueError(f"fidelity steps must be >= 0, got {fidelity_steps}")
     code = code_state()  # everything that changes the measurement is part of the identity

@@ -12,6 +12,7 @@ job for one stack: the family builds the server (`Family.serving`), this drives 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -38,6 +39,11 @@ DEFINITIONS = {
     "audio_s_per_s": "aggregate: audio seconds completed by all streams / (last frame ready - "
     "first arrival)",
     "percentiles": "numpy linear interpolation over the level's streams",
+    "sustained_window": "a sustained load's figures over the streams arriving in its window "
+    "(from one stream's audio length after the start to the last arrival), when the "
+    "expected number playing has reached the load's `live`",
+    "live_mean": "streams live in the server (admitted, not yet finished), time-weighted "
+    "over the sustained window",
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
     "time outside them (the driver's loop, waiting for arrivals)",
@@ -62,11 +68,32 @@ class Load:
     concurrency: int | None = None  # streams arriving together at t = 0
     rate: float | None = None  # Poisson arrivals per second
     duration_s: float | None = None  # arrivals stop after this
+    # A sustained load (`sustained`): Poisson arrivals at the rate that keeps `live` streams
+    # playing on average; figures apart for streams arriving from `window_from_s` on.
+    live: int | None = None
+    window_from_s: float | None = None
 
     def label(self) -> str:
+        if self.live is not None:
+            return f"sustained {self.live} (poisson {self.rate:.4g}/s for {self.duration_s:g} s)"
         if self.rate is not None:
             return f"poisson {self.rate:g}/s for {self.duration_s:g} s"
         return f"{self.concurrency} concurrent"
+
+
+def sustained(live: int, duration_s: float, stream_s: float) -> Load:
+    """Arrivals that keep `live` streams of `stream_s` audio seconds playing on average
+    (Little's law: rate = live / stream_s, were each stream to last its audio's length);
+    its window opens once the first stream could have ended (`stream_s`), when the
+    expected number playing has reached `live`."""
+    if live < 1:
+        raise LoadError(f"a sustained load needs at least 1 live stream (got {live})")
+    if duration_s < 2 * stream_s:
+        raise LoadError(
+            f"a sustained load of {duration_s:g} s has no sustained window: arrivals must last at "
+            f"least twice a stream's {stream_s:g} s"
+        )
+    return Load(rate=live / stream_s, duration_s=duration_s, live=live, window_from_s=stream_s)
 
 
 def check_load(load: Load, rows: int) -> None:
@@ -80,11 +107,23 @@ def check_load(load: Load, rows: int) -> None:
             raise LoadError("arrival rate and duration must be positive")
         if load.concurrency is not None:
             raise LoadError("give either a concurrency or an arrival rate, not both")
+        if load.live is not None and load.live > rows:
+            raise LoadError(f"a sustained {load.live} live streams exceed the cache's {rows} rows")
         return
     if load.concurrency is None or load.concurrency < 1:
         raise LoadError(f"concurrency must be at least 1 (got {load.concurrency})")
     if load.concurrency > rows:
         raise LoadError(f"concurrency {load.concurrency} exceeds the cache's {rows} rows")
+
+
+def load_shape(load: Any, frame_s: float | None) -> Load:
+    """A workload's `load:` (api.config.ServingLoad) as the driver's Load; a sustained load
+    needs the family's frame length (LoadError where it has none or is too short)."""
+    if load.sustained is None:
+        return Load(load.concurrency, load.rate, load.duration_s)
+    if frame_s is None:
+        raise LoadError("a sustained load needs the family's frame length; it declares none")
+    return sustained(load.sustained, float(load.duration_s), load.frames * frame_s)
 
 
 def arrivals(load: Load, seed: int) -> list[float]:
@@ -123,11 +162,13 @@ def drive(
     frames: Sequence[int],
     time_limit_s: float,
     clock: Callable[[], float] = time.perf_counter,
+    live_trace: list[tuple[float, int]] | None = None,
 ) -> tuple[list[StreamRecord], float]:
     """Run one load level: admit arrived requests into free rows, step, timestamp frames.
 
     Returns the records and the level's wall seconds. Past `time_limit_s` the level stops
-    and unfinished streams stay incomplete."""
+    and unfinished streams stay incomplete. `live_trace`, if given, gets (seconds, streams
+    live) after every step."""
     records = {
         r.key: StreamRecord(r.key, a, f)
         for r, a, f in zip(requests, arrival_s, frames, strict=True)
@@ -152,6 +193,8 @@ def drive(
             continue
         events = server.step()
         now = clock() - t0
+        if live_trace is not None:
+            live_trace.append((now, server.live()))
         for ev in events:
             rec = records[ev.key]
             rec.frame_ready_s.extend([now] * (ev.frames_ready - len(rec.frame_ready_s)))
@@ -190,8 +233,45 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarise(records: list[StreamRecord], frame_s: float, chunk_frames: int) -> dict[str, Any]:
-    """The level's figures (definitions in DEFINITIONS), unrounded, plus every stream's."""
+def summarise(
+    records: list[StreamRecord],
+    frame_s: float,
+    chunk_frames: int,
+    load: Load | None = None,
+    live_trace: Sequence[tuple[float, int]] = (),
+) -> dict[str, Any]:
+    """The level's figures (definitions in DEFINITIONS), unrounded, plus every stream's;
+    for a sustained load, the same figures again over the streams of its window."""
+    out = _figures(records, frame_s, chunk_frames)
+    if load is not None and load.window_from_s is not None:
+        start, end = load.window_from_s, float(load.duration_s or 0)
+        window = [r for r in records if start <= r.arrival_s <= end]
+        block = {
+            k: v for k, v in _figures(window, frame_s, chunk_frames).items() if k != "per_stream"
+        }
+        block |= {"from_s": start, "to_s": end, **_live(live_trace, start, end)}
+        out["sustained_window"] = block
+    return out
+
+
+def _live(trace: Sequence[tuple[float, int]], start: float, end: float) -> dict[str, Any]:
+    """Streams live over [start, end]: the time-weighted mean and the most, from the
+    driver's trace (the count after each step holds until the next)."""
+    spans = [
+        (min(t1, end) - max(t0, start), n)
+        for (t0, n), (t1, _) in itertools.pairwise(trace)
+        if t1 > start and t0 < end
+    ]
+    total = sum(d for d, _ in spans)
+    if total <= 0:
+        return {"live_mean": None, "live_max": None}
+    return {
+        "live_mean": sum(d * n for d, n in spans) / total,
+        "live_max": max(n for _, n in spans),
+    }
+
+
+def _figures(records: list[StreamRecord], frame_s: float, chunk_frames: int) -> dict[str, Any]:
     streams = [stream_figures(r, frame_s, chunk_frames) for r in records]
     ttfa = [s["ttfa_s"] for s in streams if s["ttfa_s"] is not None]
     rtf = [s["rtf"] for s in streams if s["complete"]]
@@ -231,7 +311,7 @@ def serve_stack(
     Returns the `serve.*` metrics (unrounded; definitions in DEFINITIONS, written beside
     them) and the warm-up's seconds; every stream's figures go to `out_file` as JSON."""
     load = workload.load
-    shape = Load(load.concurrency, load.rate, load.duration_s)
+    shape = load_shape(load, family.frame_s)
     arrived = arrivals(shape, load.arrival_seed)
     if not arrived:
         raise LoadError(
@@ -242,8 +322,11 @@ def serve_stack(
     t0 = time.perf_counter()
     captured = setup.warm_up()
     warm_s = time.perf_counter() - t0
-    records, wall_s = drive(setup.server, setup.requests, arrived, setup.frames, load.time_limit_s)
-    level = summarise(records, setup.frame_s, load.chunk_frames)
+    trace: list[tuple[float, int]] = []
+    records, wall_s = drive(
+        setup.server, setup.requests, arrived, setup.frames, load.time_limit_s, live_trace=trace
+    )
+    level = summarise(records, setup.frame_s, load.chunk_frames, shape, trace)
     if setup.phases is not None:
         steps = int(getattr(getattr(setup.server, "stats", None), "steps", 0))
         level["steps"] = steps
@@ -262,6 +345,11 @@ def serve_stack(
     metrics = {
         f"serve.{key}": float(value)
         for key, value in level.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    metrics |= {
+        f"serve.sustained_window.{key}": float(value)
+        for key, value in level.get("sustained_window", {}).items()
         if isinstance(value, int | float) and not isinstance(value, bool)
     }
     metrics |= {
