@@ -2,7 +2,8 @@
 #   export ORCHESTRATE_CODE_SHA=<sha>; source benchmarks/device_setup.sh
 #   bash benchmarks/serving_h200.sh            (about 9 minutes; carry omnivoice and pydub)
 #   SERVING_PARTS="ov ov-runner" bash benchmarks/serving_h200.sh   (parts: tests rumik ov runner,
-#   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched)
+#   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched;
+#   sustained-runner: serve-gpu-sustained through the runner, the overlap stack)
 # The whole script overran OmniVoice's 120 s on an H100 (cut while building): run `ov` in a
 # call of its own (OV_TIMEOUT, default 120 s) where it matters.
 # 1. the batched attention kernel compiled: its tests against the reference and the
@@ -10,7 +11,8 @@
 # 2. the Rumik curve, one server at a time, baseline B at 32 streams: the batched kernel with
 #    the codec between steps (`ours_triton`) and on its own CUDA stream (`ours_triton_overlap`)
 #    by default (ATTENTION=sdpa,triton CODEC=sync adds masked SDPA, `ours`, as measured
-#    before); each level records where its step goes (prefill, step, codec, host);
+#    before); each level records where its step goes (prefill, step, codec, host); then
+#    sustained loads (SUSTAINED, LIVE:SECONDS: arrivals keeping LIVE streams playing);
 # 3. OmniVoice at concurrency 1, 8 and 32 (ov-best), levels interleaved;
 # 4. the serving workload through the runner (rumik-batched against rumik-batched-640,
 #    rumik-batched-640-audio and rumik-batched-640-overlap on serve-gpu: 128 streams arriving together; each stack's
@@ -25,7 +27,8 @@ timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serv
 fi
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
-    --levels "${LEVELS:-32,128,256,384,512,640}" --baseline-levels 32 --time-budget 250 \
+    --levels "${LEVELS:-32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
+    --baseline-levels 32 --time-budget 250 \
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 [[ $parts == *" ov "* ]] && timeout "${OV_TIMEOUT:-120}" python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \
     --levels 1,8,32 --repeats 5 --out "$OUT/ov-serving.json" 2>&1 | tee "$OUT/ov-serving.log"
@@ -36,6 +39,14 @@ if [[ $parts == *" ov-runner "* ]]; then
         --runs-dir /tmp/ov-serve-runs --no-mlflow --json > "$OUT/ov-serve-run.json" \
         2> "$OUT/ov-serve-run.log"
     tail -12 "$OUT/ov-serve-run.log"
+fi
+if [[ $parts == *" sustained-runner "* ]]; then  # serve-gpu-sustained: 128 kept playing
+    rm -f /tmp/serve-sustained.db
+    timeout "${SUSTAINED_RUNNER_TIMEOUT:-300}" python3 -m orchestrate.cli run \
+        --stack rumik-batched-640-overlap --workload serve-gpu-sustained --model rumik-oss-1 \
+        --device cuda --db sqlite:////tmp/serve-sustained.db --runs-dir /tmp/serve-sustained-runs \
+        --no-mlflow --json > "$OUT/serve-sustained-run.json" 2> "$OUT/serve-sustained-run.log"
+    tail -3 "$OUT/serve-sustained-run.log"
 fi
 [[ $parts == *" runner "* ]] || exit 0
 rm -f /tmp/serve.db
