@@ -133,7 +133,7 @@ def test_padded_prompt_writes_give_the_unpadded_tokens(model):
         runs.append(server.tokens)
         assert server.stats.prefills == 1
         if pad:
-            assert server.prefill_row_buckets[-1] == 32 and server.prefill_len_buckets[-1] == 128
+            assert server.prompts.row_buckets[-1] == 32 and server.prompts.token_buckets[-1] == 128
             assert server.stats.prefill_writes == {"eager": 1, "padded": 1}
     assert runs[0] == runs[1]
 
@@ -327,7 +327,7 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
         server = BatchedServer(gpu_model, 2, 256, TOPK, graphs=graphs, codec=True)
         assert server.warm_up() == (
             len(server.batch_buckets) * len(server.ctx_buckets)
-            + len(server.prefill_row_buckets) * len(server.prefill_len_buckets)
+            + len(server.prompts.row_buckets) * len(server.prompts.token_buckets)
             if graphs
             else 0
         )

@@ -35,8 +35,9 @@ import torch
 from orchestrate.api.config import SamplingConfig
 from orchestrate.api.family import StreamRequest
 from orchestrate.families.rumik.model import RumikModel
-from orchestrate.techniques.rumik.batched_decode import BatchedDecoder, prompt_ids
+from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
+from orchestrate.techniques.rumik.prompt_writes import PromptWriter
 
 
 class ServingError(ValueError):
@@ -123,14 +124,6 @@ class BatchedServer:
         # key -> its decoded chunks, kept only when asked (tests; a server sends them on)
         self.audio: dict[int, list[np.ndarray]] | None = {} if keep_audio else None
         self.max_prefill_tokens = max_prefill_tokens
-        # Prompt writes padded to (rows, tokens) buckets, so each has one CUDA graph; by
-        # default where decode steps are graphed (the padded path runs eagerly elsewhere,
-        # for tests). A prompt longer than every length bucket is written at its own shape.
-        self.pad_prefill = self.graphs_on if pad_prefill is None else pad_prefill
-        most = min(rows, 32)  # rows a padded prompt write takes at once
-        self.prefill_row_buckets = [n for n in (1, 2, 4, 8, 16) if n < most] + [most]
-        self.prefill_len_buckets = [n for n in (16, 32, 64, 128, 256) if n < max_seq_len]
-        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ...]] = {}
         self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
         # The kernel reads each row's own length: one context bucket (the whole cache) is all
         # it needs, and a bucket size's graphs are captured once, not once per context.
@@ -138,6 +131,14 @@ class BatchedServer:
             [max_seq_len] if attention == "triton" else buckets(max_seq_len, (), ctx_stride)
         )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Padded prompt writes by default where decode steps are graphed (padded eagerly
+        # elsewhere only for tests): prompt_writes.py.
+        self.prompts = PromptWriter(
+            self.dec,
+            padded=self.graphs_on if pad_prefill is None else pad_prefill,
+            graphs=self.graphs_on,
+            pool=self._pool,
+        )
         self.stats = ServerStats(seconds=dict.fromkeys(self.phases, 0.0))
         # Host mirror of the rows.
         self.row_key = np.full(rows, -1, dtype=np.int64)
@@ -158,12 +159,7 @@ class BatchedServer:
             "server": f"continuous batching over {self.rows} cache rows: a freed row takes "
             "the next waiting stream while the others decode; at most "
             f"{self.max_prefill_tokens} prompt tokens per admission, written "
-            + (
-                f"{max(self.prefill_row_buckets)} rows at a time, padded to a (rows, tokens) "
-                "bucket" + (" whose CUDA graph replays it" if self.graphs_on else " (eager)")
-                if self.pad_prefill
-                else "eagerly at the prompts' own shapes"
-            ),
+            + self.prompts.described(),
             "step": graphs if self.graphs_on else "eager steps",
             "attention": "the batched decode-attention kernel, each row over its own filled "
             "positions"
@@ -249,7 +245,7 @@ class BatchedServer:
         t0 = time.perf_counter()
         rows = [int(r) for r in free[: len(take)]]
         prompts = [r.prompt_ids for r in take]
-        self._write_prompts(rows, prompts)
+        self.prompts.write(rows, prompts, self.stats.prefill_writes)
         self.dec.arm(rows, prompts, [r.seed for r in take], [r.frames is None for r in take])
         for row, req in zip(rows, take, strict=True):
             self.row_key[row] = req.key
@@ -264,40 +260,6 @@ class BatchedServer:
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
         return len(take)
-
-    def _write_prompts(self, rows: list[int], prompts: list[list[int]]) -> None:
-        """Every prompt but its last token into its row's cache (BatchedDecoder.write_prompts):
-        at the prompts' own shape, or in chunks padded to a bucket (padding rows write the
-        scratch row), replayed from the bucket's graph where graphs are on."""
-        dev, paths = self.dec.ids.device, self.stats.prefill_writes
-        step = self.prefill_row_buckets[-1] if self.pad_prefill else len(rows)
-        for i in range(0, len(rows), step):
-            rs, ps = rows[i : i + step], prompts[i : i + step]
-            t = max(len(p) for p in ps) - 1
-            if t <= 0:
-                continue
-            tb = bisect.bisect_left(self.prefill_len_buckets, t)
-            if not self.pad_prefill or tb == len(self.prefill_len_buckets):
-                self.dec.write_prompts(torch.tensor(rs, device=dev), prompt_ids(ps, t, dev))
-                paths["eager"] = paths.get("eager", 0) + 1
-                continue
-            t = self.prefill_len_buckets[tb]
-            nb = self.prefill_row_buckets[bisect.bisect_left(self.prefill_row_buckets, len(rs))]
-            r = torch.full((nb,), self.dec.scratch, dtype=torch.long)
-            r[: len(rs)] = torch.tensor(rs)
-            ids = torch.zeros((nb, t), dtype=torch.long)
-            ids[: len(ps)] = prompt_ids(ps, t, torch.device("cpu"))
-            if self.graphs_on:
-                graph, r_in, ids_in = self.prefill_graphs.get((nb, t)) or self._capture_prefill(
-                    nb, t
-                )
-                r_in.copy_(r)
-                ids_in.copy_(ids)
-                graph.replay()
-                paths["graph"] = paths.get("graph", 0) + 1
-            else:
-                self.dec.write_prompts(r.to(dev), ids.to(dev))
-                paths["padded"] = paths.get("padded", 0) + 1
 
     # ---------------------------------------------------------------- stepping
 
@@ -427,36 +389,15 @@ class BatchedServer:
         for b in self.batch_buckets:
             for s in self.ctx_buckets:
                 self._capture(b, s)
-        if self.pad_prefill:
-            for nb in self.prefill_row_buckets:
-                for t in self.prefill_len_buckets:
-                    self._capture_prefill(nb, t)
-        return len(self.graphs) + len(self.prefill_graphs)
+        return len(self.graphs) + self.prompts.capture_all()
 
     def _pool(self) -> Any:
         """The memory pool every graph of this server shares (graphs replay one at a time;
         the only tensors outliving a replay are the step graphs' outputs, kept alive)."""
         first = next(iter(self.graphs.values()), None) or next(
-            iter(self.prefill_graphs.values()), None
+            iter(self.prompts.graphs.values()), None
         )
         return None if first is None else first[0].pool()
-
-    def _capture_prefill(self, nb: int, t: int) -> tuple[torch.cuda.CUDAGraph, ...]:
-        """The (rows, tokens) bucket's prompt write, captured writing only the scratch row."""
-        dev = self.dec.ids.device
-        rows = torch.full((nb,), self.dec.scratch, dtype=torch.long, device=dev)
-        ids = torch.zeros((nb, t), dtype=torch.long, device=dev)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.dec.write_prompts(rows, ids)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool()):
-            self.dec.write_prompts(rows, ids)
-        self.prefill_graphs[(nb, t)] = (graph, rows, ids)
-        return self.prefill_graphs[(nb, t)]
 
     def _capture(self, b: int, s: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         d = self.dec
