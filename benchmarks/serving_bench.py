@@ -105,6 +105,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "suffixed _overlap)",
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--admit-every",
+        type=int,
+        default=1,
+        help="admit waiting streams at most every N decode steps while others decode",
+    )
     ap.add_argument("--poisson", default="", help="RATE:DURATION_S,... levels for our path")
     ap.add_argument(
         "--sustained",
@@ -155,6 +161,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
+    if args.admit_every < 1:
+        raise LoadError(f"--admit-every must be at least 1 (got {args.admit_every})")
     rows = args.rows if args.rows is not None else max(levels, default=0)
     loads = [Load(concurrency=n) for n in levels]
     loads += [Load(rate=r, duration_s=d) for r, d in poisson]
@@ -325,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
+            "admit_every": args.admit_every,
             "attention": {
                 "ours": "SDPA over the context bucket's positions with a per-row boolean mask",
                 "ours_triton": "kernels/batched_attention.py: each row over its own filled "
@@ -367,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             max_prefill_tokens=args.max_prefill_tokens,
             attention=attention,
             codec_overlap=codec == "overlap",
+            admit_every=args.admit_every,
         )
         mine = (
             doc["ours"]

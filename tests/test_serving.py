@@ -3,6 +3,7 @@ load driver's figures and bad loads. CPU, tiny model, float32."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -136,6 +137,26 @@ def test_padded_prompt_writes_give_the_unpadded_tokens(model):
             assert server.prompts.row_buckets[-1] == 32 and server.prompts.token_buckets[-1] == 128
             assert server.stats.prefill_writes == {"eager": 1, "padded": 1}
     assert runs[0] == runs[1]
+
+
+def test_paced_admissions_gather_arrivals_and_keep_every_rows_tokens(model):
+    """Admissions at most every 4 steps while rows decode: streams arriving one by one are
+    prefilled in fewer, larger admissions, each request's tokens unchanged."""
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k % 4]), 4, seed=k) for k in range(8)]
+    arrivals = [0.004 * k for k in range(8)]  # about one a step on the clock below
+    runs = []
+    for every in (1, 4):
+        server = BatchedServer(model, 8, 256, TOPK, graphs=False, codec=False, admit_every=every)
+        ticks = iter(range(10_000))  # a clock that ticks 1 ms per read: arrivals by steps
+        clock = functools.partial(lambda t: next(t) / 1000, ticks)
+        records, _ = drive(server, reqs, arrivals, [4] * 8, 60, clock=clock)
+        assert all(r.done for r in records)
+        runs.append((server.tokens, server.stats.prefills))
+    (tokens_1, prefills_1), (tokens_4, prefills_4) = runs
+    assert tokens_1 == tokens_4
+    assert prefills_4 <= prefills_1 - 2, (prefills_1, prefills_4)
+    with pytest.raises(ServingError, match="admit_every must be at least 1"):
+        BatchedServer(model, 2, 256, TOPK, graphs=False, codec=False, admit_every=0)
 
 
 def test_seeds_change_the_draw(model):

@@ -112,6 +112,7 @@ class BatchedServer:
         head: str = "codebook",
         codec_overlap: bool = False,
         pad_prefill: bool | None = None,
+        admit_every: int = 1,
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention, head)
@@ -124,6 +125,12 @@ class BatchedServer:
         # key -> its decoded chunks, kept only when asked (tests; a server sends them on)
         self.audio: dict[int, list[np.ndarray]] | None = {} if keep_audio else None
         self.max_prefill_tokens = max_prefill_tokens
+        # Admissions at most every `admit_every` decode steps while others decode: each
+        # prefill reads every weight once, however few prompts it writes, so gathering
+        # arrivals trades up to that many steps of first-audio latency for fewer reads.
+        if admit_every < 1:
+            raise ServingError(f"admit_every must be at least 1 (got {admit_every})")
+        self.admit_every, self.last_admit_step = admit_every, -admit_every
         self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
         # The kernel reads each row's own length: one context bucket (the whole cache) is all
         # it needs, and a bucket size's graphs are captured once, not once per context.
@@ -157,7 +164,13 @@ class BatchedServer:
         graphs = "a CUDA graph per (batch, context) bucket, captured in warm_up"
         return {
             "server": f"continuous batching over {self.rows} cache rows: a freed row takes "
-            "the next waiting stream while the others decode; at most "
+            "the next waiting stream while the others decode; "
+            + (
+                f"admissions at most every {self.admit_every} steps, "
+                if self.admit_every > 1
+                else ""
+            )
+            + "at most "
             f"{self.max_prefill_tokens} prompt tokens per admission, written "
             + self.prompts.described(),
             "step": graphs if self.graphs_on else "eager steps",
@@ -226,11 +239,15 @@ class BatchedServer:
         if self.audio is not None:
             self.audio.clear()
         self.stats = ServerStats(seconds=dict.fromkeys(self.phases, 0.0))
+        self.last_admit_step = -self.admit_every
 
     @torch.inference_mode()
     def admit(self, reqs: list[ServeRequest]) -> int:
         """Prefill as many of `reqs` (in order) as there are free rows and prefill token
         budget; returns how many were admitted."""
+        paced = self.stats.steps - self.last_admit_step < self.admit_every
+        if paced and self.live():  # gather arrivals (an idle server admits at once)
+            return 0
         free = np.flatnonzero(self.row_key < 0)  # lowest rows first: keeps buckets small
         take: list[ServeRequest] = []
         tokens = 0
@@ -257,6 +274,7 @@ class BatchedServer:
         if self.codec is not None:
             self.codec.reset(rows)
         self._synced("prefill", t0)
+        self.last_admit_step = self.stats.steps
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
         return len(take)

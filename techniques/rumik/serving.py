@@ -44,6 +44,14 @@ class BatchedDecodeParams(TechniqueParams):
         "(APPROXIMATE); audio: every audio unit + end, stock's distribution. One matmul "
         "either way (all 8 codebooks' rows); they differ in the columns sampled from.",
     )
+    admit_every: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Admit waiting streams at most every N decode steps while others decode "
+        "(each prefill reads every weight once: fewer, larger ones trade up to N steps of "
+        "first-audio latency for fewer reads).",
+    )
     codec: Literal["sync", "overlap"] = Field(
         "sync",
         description="sync: a step's completed chunks are decoded before it returns; overlap: "
@@ -54,8 +62,8 @@ class BatchedDecodeParams(TechniqueParams):
 
 class BatchedDecode(Technique):
     name = "batched_decode"
-    # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec`
-    # (its default keeps the codec between steps)
+    # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec` and
+    # `admit_every` (their defaults keep the codec between steps, an admission every step)
     version = 3
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
@@ -103,6 +111,7 @@ class BatchedDecode(Technique):
                 attention=params.attention,
                 head=params.head,
                 codec_overlap=params.codec == "overlap",
+                admit_every=params.admit_every,
             )
 
         engine.server = build
