@@ -71,8 +71,9 @@ NOT_BUILT = [
     "and baseline B in one process, building the server directly",
     "baseline B as a technique (it is a static batch, not a stepped server)",
     "the codec in its own process (--codec overlap runs it on a side CUDA stream)",
-    "admission pacing: every step admits what has arrived (each admission a prefill, graphed "
-    "per (rows, tokens) bucket, at most --max-prefill-tokens)",
+    "prefill inside the decode step (chunked prefill): an admission is a prefill of its own, "
+    "reading every weight once (graphed per (rows, tokens) bucket; --admit-every gathers "
+    "arrivals into fewer admissions)",
     "OmniVoice serving here (benchmarks/ov_serving_bench.py measures it: static batches of "
     "N different requests through OmniVoiceFamily.synthesize_many)",
 ]

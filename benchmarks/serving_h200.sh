@@ -27,6 +27,7 @@ timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serv
 fi
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
+    --admit-every "${ADMIT_EVERY:-1}" \
     --levels "${LEVELS:-32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
     --baseline-levels 32 --time-budget 250 \
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
