@@ -234,6 +234,7 @@ def run_ours(
         path=path,
         load=load.label(),
         concurrency=load.concurrency,
+        live=load.live,
         rate=load.rate,
         duration_s=load.duration_s,
         wall_s=wall,
@@ -457,12 +458,17 @@ def brief(level: dict[str, Any]) -> str:
 HATCHES, HATCH_NAMES = (None, "//", "..", "xx"), ("plain", "hatched", "dotted", "crossed")
 
 
+def level_key(level: dict[str, Any]) -> str:
+    """A level's tick: "N" for N streams together, "sN" for a sustained N."""
+    return f"s{level['live']}" if level.get("live") else str(level.get("concurrency"))
+
+
 def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     """Where each of our paths' step goes, per level: stacked ms per decode step by phase
     (levels recorded before phases were timed are left out)."""
     levels = [lv for lv in doc["levels"] if lv.get("phase_ms_per_step") and "error" not in lv]
     paths = [p for p in ALL_PATHS if any(lv["path"] == p for lv in levels)]
-    xs = sorted({lv["concurrency"] for lv in levels if lv.get("concurrency")})
+    xs = sorted({level_key(lv) for lv in levels}, key=lambda k: (k[0] == "s", int(k.strip("s"))))
     if not paths or not xs:
         ax.set_axis_off()
         ax.set_title("phases not recorded in this file")
@@ -472,7 +478,7 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     colors = {ph: f"C{i + 3}" for i, ph in enumerate(phases)}
     labelled: set[str] = set()
     for j, path in enumerate(paths):
-        by_n = {lv["concurrency"]: lv for lv in levels if lv["path"] == path}
+        by_n = {level_key(lv): lv for lv in levels if lv["path"] == path}
         for i, n in enumerate(xs):
             if n not in by_n:
                 continue
@@ -492,9 +498,9 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
                 )
                 bottom += ms
     ax.axhline(10.0, color="grey", lw=0.8, ls=":")  # 100 tokens per audio second
-    ax.set_xticks(range(len(xs)), [str(n) for n in xs])
+    ax.set_xticks(range(len(xs)), xs)
     ax.set(
-        xlabel="concurrent streams\nbars left to right: "
+        xlabel="streams (sN: sustained N)\nbars left to right: "
         + ", ".join(f"{p} ({HATCH_NAMES[j % len(HATCHES)]})" for j, p in enumerate(paths)),
         ylabel="ms per decode step",
         title="where a step goes (real time: under 10 ms)",
@@ -539,10 +545,28 @@ def plot(src: Path, figure: str | None) -> int:
         ax2.plot(
             x, [lv["steady_rtf_p95"] for lv in rows], ":", color=color, label=f"{path} steady p95"
         )
+    for path, style, color in paths:  # sustained levels: their window's figures, x = live
+        sus = sorted(
+            (
+                lv
+                for lv in doc["levels"]
+                if lv.get("path") == path and lv.get("sustained_window") and "error" not in lv
+            ),
+            key=lambda lv: lv.get("live") or 0,
+        )
+        if not sus:
+            continue
+        x = [lv.get("live") for lv in sus]
+        win = [lv["sustained_window"] for lv in sus]
+        ttfa = [None if w["ttfa_p95_s"] is None else w["ttfa_p95_s"] * 1e3 for w in win]
+        kw = dict(color=color, marker=style[0], ls="--", mfc="none")
+        ax1.plot(x, ttfa, label=f"{path} sustained", **kw)
+        ax2.plot(x, [w["rtf_p50"] for w in win], label=f"{path} sustained p50", **kw)
     ax1.axhline(200, color="grey", lw=0.8, ls=":")
-    ax1.set(xlabel="concurrent streams", ylabel="TTFA p95 (ms)", title="time to first audio")
+    streams = "streams (together at t = 0; hollow, dashed: sustained, its window)"
+    ax1.set(xlabel=streams, ylabel="TTFA p95 (ms)", title="time to first audio")
     ax2.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax2.set(xlabel="concurrent streams", ylabel="per-stream RTF", title="per-stream RTF")
+    ax2.set(xlabel=streams, ylabel="per-stream RTF", title="per-stream RTF")
     phase_bars(ax3, doc)
     for ax in (ax1, ax2, ax3):
         if ax.get_legend_handles_labels()[0]:

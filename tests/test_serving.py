@@ -452,12 +452,17 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
 
     out = tmp_path / "s.json"
     argv = ["--device", "cpu", "--levels", "1,2", "--baseline-levels", "2", "--frames", "2"]
+    argv += ["--sustained", "2:0.4"]  # streams of 0.16 s: a window from 0.16 s to 0.4 s
     assert _bench().main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["complete"] and not doc["skipped"]
-    paths = [(lv["path"], lv["concurrency"]) for lv in doc["levels"]]
-    assert paths == [("ours", 1), ("ours", 2), ("baseline_b", 2)]
-    for lv in doc["levels"]:
+    paths = [(lv["path"], lv["concurrency"] or lv["live"]) for lv in doc["levels"]]
+    assert paths == [("ours", 1), ("ours", 2), ("baseline_b", 2), ("ours", 2)]
+    sustained_level = doc["levels"][-1]
+    assert sustained_level["load"].startswith("sustained 2 (poisson 12.5/s for 0.4 s)")
+    assert sustained_level["sustained_window"]["from_s"] == pytest.approx(0.16)
+    assert out.with_suffix(".png").stat().st_size > 0  # the figure, sustained level drawn
+    for lv in doc["levels"][:3]:
         assert "error" not in lv, lv.get("traceback")
         assert lv["streams"] == lv["concurrency"] and lv["incomplete"] == 0
         assert lv["ttfa_p95_s"] > 0 and lv["audio_s"] == pytest.approx(lv["streams"] * 0.16)
