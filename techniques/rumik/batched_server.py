@@ -155,7 +155,6 @@ class BatchedServer:
         self.row_decoded = np.zeros(rows, dtype=np.int64)  # its frames handed to the codec
         self.row_ready = np.zeros(rows, dtype=np.int64)  # its frames whose audio is ready
         self.row_finishing = np.zeros(rows, dtype=bool)  # sampled its last; audio pending
-        self._changed = np.empty(0, dtype=np.int64)  # no codec: rows whose frames are ready
         self.row_tokens = np.zeros((rows, sampling.max_new_tokens), dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # finished request key -> its token ids
 
@@ -305,14 +304,13 @@ class BatchedServer:
             self.codec.wait()
             self.stats.seconds["codec_wait"] += time.perf_counter() - t0 - launch
         t0 = time.perf_counter()
-        if sampled is not None:
-            self._collect(sampled)
+        chunked = self._collect(sampled) if sampled is not None else np.empty(0, np.int64)
         if self.codec is not None and not self.overlap:
             t1 = time.perf_counter()
             self.codec.launch()  # and waits for the audio
             self._synced("codec", t1)
             t0 += time.perf_counter() - t1  # host time is the rest
-        events = self._report()
+        events = self._report(chunked)
         self._synced("host", t0)
         return events
 
@@ -342,8 +340,10 @@ class BatchedServer:
         self.stats.seconds["codec_launch"] += spent
         return spent
 
-    def _collect(self, sampled: np.ndarray) -> None:
-        """Vectorised over rows (host time here is GPU idle time: the step has synced)."""
+    def _collect(self, sampled: np.ndarray) -> np.ndarray:
+        """Append the sampled tokens, hand completed chunks to the codec, mark the rows that
+        finished sampling; returns the rows that completed a chunk. Vectorised over rows
+        (host time here is GPU idle time: the step has synced)."""
         b, pf = len(sampled), self.per_frame
         live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b]
         self.row_pos[:b] += live
@@ -360,21 +360,21 @@ class BatchedServer:
         self.row_decoded[rows] += pending[rows]
         if self.codec is None:
             self.row_ready[rows] = self.row_decoded[rows]
-            self._changed = rows
         finished = np.flatnonzero(done)
         for r in finished:
             self.tokens[int(self.row_key[r])] = self.row_tokens[r, : count[r]].tolist()
         self.row_finishing[finished] = True
         if len(finished):
             self.dec.active[torch.from_numpy(finished)] = 0
+        return rows
 
-    def _report(self) -> list[StepEvent]:
-        """Events for the rows whose audio became ready and for the rows freed: those that
-        finished sampling and whose every frame's audio is ready."""
+    def _report(self, chunked: np.ndarray) -> list[StepEvent]:
+        """Events for the rows whose audio became ready (without a codec: the rows that
+        completed a chunk this step) and for the rows freed: those that finished sampling
+        and whose every frame's audio is ready."""
         changed: set[int] = set()
         if self.codec is None:
-            changed.update(int(r) for r in self._changed)
-            self._changed = np.empty(0, dtype=np.int64)
+            changed.update(int(r) for r in chunked)
         else:
             for job in self.codec.finished():
                 self.row_ready[job.rows] = job.upto
