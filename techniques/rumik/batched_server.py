@@ -37,6 +37,7 @@ from orchestrate.api.family import StreamRequest
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
+from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 from orchestrate.techniques.rumik.prompt_writes import PromptWriter
 
 
@@ -422,15 +423,7 @@ class BatchedServer:
         saved = [t.clone() for t in (d.ids, d.pos, d.count, d.out)]
         active = d.active.clone()
         d.active.zero_()  # warm-up and capture runs must not advance any live row
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                d.step(b, s)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool()):
-            out = d.step(b, s)
+        graph, out = warm_and_capture(lambda: d.step(b, s), self._pool())
         for t, v in zip((d.ids, d.pos, d.count, d.out), saved, strict=True):
             t.copy_(v)
         d.active.copy_(active)

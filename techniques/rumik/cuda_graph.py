@@ -9,11 +9,16 @@ host writes beyond the token. Exact: the same kernels run, only launched differe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.rumik.engine import Engine
 from orchestrate.techniques.rumik.static_kv_cache import StaticDecoder, StaticKVCacheParams
+
+T = TypeVar("T")
 
 
 class GraphedDecoder:
@@ -65,6 +70,25 @@ class GraphedDecoder:
             self.hidden = self.body()
         self.pos.copy_(start)  # capture records but does not run the work
         self.graph = graph
+
+
+def warm_and_capture(
+    run: Callable[[], T], pool: Any = None, warmups: int = 2
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` warmed up on a side stream (cuBLAS workspaces, Triton autotuning), then
+    captured into a graph (in `pool`, shared with other graphs, where given); returns the
+    graph and what the captured `run` returned (its output buffers). The caller undoes
+    whatever the warm-up runs changed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 def graphs_twice(earlier: dict[str, TechniqueParams]) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder, prompt_ids
+from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256)
@@ -90,14 +91,6 @@ class PromptWriter:
         dev = self.dec.ids.device
         rows = torch.full((nb,), self.dec.scratch, dtype=torch.long, device=dev)
         ids = torch.zeros((nb, t), dtype=torch.long, device=dev)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.dec.write_prompts(rows, ids)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool()):
-            self.dec.write_prompts(rows, ids)
+        graph, _ = warm_and_capture(lambda: self.dec.write_prompts(rows, ids), self.pool())
         self.graphs[(nb, t)] = (graph, rows, ids)
         return self.graphs[(nb, t)]
