@@ -44,7 +44,6 @@ class ChunkCodec:
         self.device = self.stream.device
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if overlap and cuda else None
-        self.overlap = overlap
         self.queued: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []  # rows, upto, codes
         self.inflight: deque[CodecJob] = deque()
 
@@ -80,9 +79,6 @@ class ChunkCodec:
             toks = torch.from_numpy(tokens[rows[sel, None], idx])
             codes = self.vocab.positional_codes_rows(toks)
             self.queued.append((rows[sel], first[sel] + n, codes))
-
-    def pending(self) -> bool:
-        return bool(self.queued or self.inflight)
 
     @torch.inference_mode()
     def launch(self) -> None:
