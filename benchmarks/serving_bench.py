@@ -390,11 +390,18 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         mine["graphs_captured"] = server.warm_up()
         mine["capture_s"] = time.perf_counter() - t0
+        mine["memory_bytes"] = server.memory()  # definitions: the record's `definitions`
+        if cuda:  # everything allocated now: model, server, graphs' pool
+            mine["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
         t0 = time.perf_counter()  # untimed: first prefill, allocator and codec paths warm up
         run_ours(server, Load(concurrency=min(2, rows)), prompt, 2, args, 120.0, path)
         mine["warm_up_s"] = time.perf_counter() - t0
         write(out, doc)
-        print(f"{path}: {mine['graphs_captured']} graphs in {mine['capture_s']:.1f} s", flush=True)
+        gb = {k: f"{v / 1e9:.2f} GB" for k, v in mine["memory_bytes"].items()}
+        print(
+            f"{path}: {mine['graphs_captured']} graphs in {mine['capture_s']:.1f} s; {gb}",
+            flush=True,
+        )
         for load in loads:
             n = load.concurrency
             todo = [path] + (["baseline_b"] if which == 0 and n in base_levels else [])

@@ -181,6 +181,40 @@ def test_refill_reuses_a_freed_row(model):
     assert len(server.tokens[1]) == 16
 
 
+def test_the_server_reads_the_models_own_weights_not_copies(model):
+    server = BatchedServer(model, 2, 64, GREEDY, graphs=False, codec=False)
+    memory = server.dec.memory()
+    layer = model.lm.model.layers[0]
+    packed = server.dec.proj.w_in[0]
+    assert packed.untyped_storage().data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+    assert server.dec.proj.w_down[0] is layer.mlp.down_proj.weight
+    # All that is copied: the codebook head's rows (8 codebooks' units + end), gathered.
+    assert memory["weights_copied"] == server.dec.head_w.numel() * 4
+    assert memory["weights_copied"] < memory["weights_read"] / 4
+    cache = 2 * len(model.lm.model.layers) * 3 * 2 * 64 * model.config.head_dim * 4
+    assert memory["cache"] == cache  # 2 rows + the scratch row, 2 kv heads, 64 positions
+
+
+def test_a_replaced_weight_is_copied_not_aliased():
+    from orchestrate.techniques.rumik.packed_projections import Packed
+
+    fresh = FAMILY.build_model(ModelSpec(preset="tiny", device="cpu", dtype="float32"))
+    layer = fresh.lm.model.layers[0]
+    layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.clone())
+    packed = Packed(
+        get_family("rumik").build_engine(
+            fresh, build_stack(StackSpec(name="s", techniques=[]), DeviceCaps("cpu"), strict=True)
+        ),
+        False,
+    )
+    assert packed.w_in[0].untyped_storage().data_ptr() != layer.self_attn.q_proj.weight.data_ptr()
+    parts = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    parts += [layer.mlp.gate_proj, layer.mlp.up_proj]
+    assert torch.equal(packed.w_in[0], torch.cat([p.weight for p in parts]))
+    other = fresh.lm.model.layers[1]  # untouched: still the model's own tensor
+    assert packed.w_in[1].data_ptr() == other.self_attn.q_proj.weight.data_ptr()
+
+
 def test_request_beyond_the_cache_is_refused(model):
     server = BatchedServer(model, 1, 64, GREEDY, graphs=False, codec=False)
     with pytest.raises(ServingError, match="cache positions"):

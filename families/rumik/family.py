@@ -180,6 +180,7 @@ class RumikFamily(Family):
             warm_up=server.warm_up,
             described=server.described(),
             phases=getattr(server, "phase_seconds", None),
+            memory=server.memory() if hasattr(server, "memory") else None,
         )
 
     def fidelity(

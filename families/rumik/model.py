@@ -103,6 +103,7 @@ def build_random(preset: RumikPreset, spec: ModelSpec) -> RumikModel:
         # Mimi stays fp32, as upstream runs it; its decode is a small share of the time.
         codec = MimiModel(MimiConfig(**preset.mimi)).eval()
         seed_codebooks(codec)  # else every code decodes to zeros: audio blind to its codes
+    pack_input_projections(lm)
     return RumikModel(
         lm=lm,
         stop_head=stop,
@@ -113,6 +114,50 @@ def build_random(preset: RumikPreset, spec: ModelSpec) -> RumikModel:
         preset=preset.name,
         random_weights=True,
     )
+
+
+def input_projections(layer: nn.Module) -> list[nn.Linear]:
+    """The five projections LN(x) feeds in a Cohere2 parallel block, in packing order."""
+    a, m = layer.self_attn, layer.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+
+
+@torch.no_grad()
+def pack_input_projections(lm: Cohere2ForCausalLM) -> None:
+    """Lay each block's five input projection weights out as consecutive row ranges of one
+    [q+k+v+gate+up, hidden] tensor, each Linear's weight a view of its range.
+
+    Why: a packed projection (packed_projections, batched_decode) then reads the tensor the
+    model already holds (`packed_input_weight`) instead of a copy (3.7 GB at real size, room
+    a serving cache wants). Each view is contiguous, with the shape and strides its weight
+    had, so stock reads it as before. Done as the model is built, before any engine exists:
+    a CUDA graph captured on the old tensors would read freed memory after a repack.
+    """
+    for layer in lm.model.layers:
+        parts = input_projections(layer)
+        packed = torch.cat([p.weight for p in parts])
+        start = 0
+        for p in parts:
+            rows = p.weight.shape[0]
+            p.weight.data = packed[start : start + rows]
+            start += rows
+
+
+def packed_input_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The one tensor [q+k+v+gate+up, hidden] a block's input projections are views of
+    (pack_input_projections), or None when they are not (a weight replaced since)."""
+    weights = [p.weight for p in input_projections(layer)]
+    first = weights[0]
+    hidden, offset = first.shape[1], first.storage_offset()
+    for w in weights:
+        same_storage = w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same_storage and w.is_contiguous() and w.storage_offset() == offset):
+            return None
+        if w.shape[1] != hidden or w.dtype != first.dtype:
+            return None
+        offset += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, hidden), (hidden, 1), first.storage_offset())
 
 
 def _lm_config(preset: RumikPreset) -> Cohere2Config:
@@ -131,7 +176,10 @@ def save_pretrained(model: RumikModel, folder: str | Path) -> Path:
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    model.lm.save_pretrained(folder)
+    # Each tensor its own storage: transformers keeps one of several tensors sharing one
+    # (pack_input_projections' views) and drops the rest.
+    state = {k: v.clone() for k, v in model.lm.state_dict().items()}
+    model.lm.save_pretrained(folder, state_dict=state)
     stop = {STOP_HEAD_PREFIX + k: v.contiguous() for k, v in model.stop_head.state_dict().items()}
     save_file(stop, str(folder / "stop_head.safetensors"))
     model.codec.save_pretrained(folder / "mimi")
@@ -176,6 +224,7 @@ def load_pretrained(weights: str, spec: ModelSpec) -> RumikModel:
         folder, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
     )
     lm = lm.to(spec.device).eval()
+    pack_input_projections(lm)
 
     stop_state: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):

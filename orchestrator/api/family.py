@@ -154,7 +154,8 @@ class Serving:
     (graph capture and the like, untimed; returns what it captured) and what the server
     does, in words, for the record. `phases`, where the server times its work: seconds per
     named phase (each ended by a device sync) since warm-up, which `described["phases"]`
-    defines."""
+    defines. `memory`, where the server accounts for it: bytes it holds by what they are
+    (the server's own definitions, kept with the record)."""
 
     server: StreamServer
     requests: list[StreamRequest]
@@ -163,6 +164,7 @@ class Serving:
     warm_up: Callable[[], int]
     described: dict[str, str]
     phases: Callable[[], dict[str, float]] | None = None
+    memory: dict[str, int] | None = None
 
 
 class Family(abc.ABC):

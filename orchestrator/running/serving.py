@@ -47,6 +47,9 @@ DEFINITIONS = {
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
     "time outside them (the driver's loop, waiting for arrivals)",
+    "memory_bytes": "bytes the server holds, where it accounts for them: weights_read (every "
+    "weight its step reads), weights_copied (the part of those held beside the model's own "
+    "tensors, not in them), cache (its K/V rows)",
 }
 
 
@@ -337,6 +340,7 @@ def serve_stack(
         "load_label": load.label(),
         "server": setup.described,
         "graphs_captured": captured,
+        "memory_bytes": setup.memory,
         "wall_s": wall_s,
         "definitions": DEFINITIONS,
         **level,

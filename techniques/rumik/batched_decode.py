@@ -8,8 +8,8 @@ graph and replayed. One step, for the first `b` rows, over the first `s` cache p
 
   ids[b] -> embedding -> 36 x (LN -> packed q,k,v,gate,up -> rotary on sliding layers ->
   write k,v at each row's position -> attention over that row's filled positions -> x +
-  packed o+down) -> final LN -> stop head -> the row's codebook head (step % 8) ->
-  seeded top-k sample -> ids, positions, counts advance on the rows still generating.
+  o(attn) + down(act), accumulated) -> final LN -> stop head -> the row's codebook head
+  (step % 8) -> seeded top-k sample -> ids, positions, counts advance on the rows still generating.
 
 Attention (`attention=`): "sdpa", SDPA over the bucket's first `s` positions with a
 per-row boolean mask (plain PyTorch; any device), or "triton", the batched decode-attention
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrate.api.config import SamplingConfig
-from orchestrate.families.rumik.engine import layer_norm, stock_engine
+from orchestrate.families.rumik.engine import layer_norm, stock_engine, tensor_bytes
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
@@ -84,7 +84,9 @@ class BatchedDecoder:
         self.attention = _attention(attention, model)
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
-        self.proj = Packed(stock_engine(model), fuse_output=True)
+        # q,k,v,gate,up: the model's own packed tensor; o and down: its own weights, summed
+        # into the residual by `_residual` (no copy of either: the cache gets the room)
+        self.proj = Packed(stock_engine(model), fuse_output=False)
         # codebook: per row, the rows of codebook (count % 8) + end (APPROXIMATE); audio:
         # every audio unit + end, stock's distribution. Both compute the same matmul (all
         # 8 codebooks' rows); they differ in the columns a row samples from.
@@ -127,6 +129,25 @@ class BatchedDecoder:
         self.out = torch.zeros(rows, **long)  # the token id each row sampled this step
         self.stop_from = sampling.min_tokens_before_stop
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this decoder holds, by what they are: `weights_read`, every weight its step
+        reads; `weights_copied`, the part of those not in a tensor the model itself holds
+        (the head's gathered rows: small); `cache`, its K/V rows."""
+        model = self.model
+        reads = [*self.proj.w_in, *self.proj.w_o, *self.proj.w_down, self.embed, *self.norms]
+        reads += [self.final_norm, self.head_w, *model.stop_head.parameters()]
+        own = {
+            p.untyped_storage().data_ptr()
+            for module in (model.lm, model.stop_head)
+            for p in module.parameters()
+        }
+        copied = [t for t in reads if t.untyped_storage().data_ptr() not in own]
+        return {
+            "weights_read": tensor_bytes(*reads),
+            "weights_copied": tensor_bytes(*copied),
+            "cache": tensor_bytes(self.k, self.v),
+        }
+
     # ------------------------------------------------------------------ the layers
 
     def _layers(
@@ -143,8 +164,18 @@ class BatchedDecoder:
             if self.sliding[i]:  # full-attention layers carry no positional encoding
                 q, k = rotate_half_pairs(q, cos, sin), rotate_half_pairs(k, cos, sin)
             attn = attend(i, q, k, v).transpose(1, 2).reshape(b, t, self.hq * self.d)
-            x = self.proj.residual(i, x, attn, F.silu(gate) * up)
+            x = self._residual(i, x, attn, F.silu(gate) * up)
         return layer_norm(x, self.final_norm, self.eps)
+
+    def _residual(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
+    ) -> torch.Tensor:
+        """x + o_proj(attn) + down_proj(act) as two GEMMs that add into their input (the
+        BLAS epilogue's C): the model's own o_proj and down_proj weights, no concatenated
+        copy of them and no concatenation of [attn, act] per step."""
+        w_o, w_down = self.proj.w_o[i], self.proj.w_down[i]
+        y = torch.addmm(x.flatten(0, -2), attn.flatten(0, -2), w_o.t())
+        return torch.addmm(y, act.flatten(0, -2), w_down.t()).view(x.shape)
 
     # ------------------------------------------------------------------ prefill
 

@@ -191,6 +191,10 @@ class BatchedServer:
             "phases": "; ".join(f"{name}: {PHASES[name]}" for name in self.phases),
         }
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held, by what they are (BatchedDecoder.memory)."""
+        return self.dec.memory()
+
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per phase (PHASES) since the last `clear`."""
         return dict(self.stats.seconds)

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from orchestrate.api.technique import Technique, TechniqueParams
 from orchestrate.families.rumik.engine import Engine, Projections, tensor_bytes
-from orchestrate.techniques.rumik.packed_projections import input_projections
+from orchestrate.families.rumik.model import input_projections
 
 MAX_GEMV_ROWS = 4
 

@@ -63,8 +63,10 @@ class BatchedDecodeParams(TechniqueParams):
 class BatchedDecode(Technique):
     name = "batched_decode"
     # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec` and
-    # `admit_every` (their defaults keep the codec between steps, an admission every step)
-    version = 3
+    # `admit_every` (their defaults keep the codec between steps, an admission every step);
+    # 4: o_proj and down_proj add into the residual as two GEMMs over the model's own
+    # weights (was one GEMM over a concatenated copy: another summation order)
+    version = 4
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
