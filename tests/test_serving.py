@@ -119,6 +119,51 @@ def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_fr
         assert np.abs(got - whole).max() <= 1e-5 * scale, req.key
 
 
+def test_padded_codec_decodes_give_the_unpadded_audio(model, monkeypatch):
+    """Codec decodes padded to row buckets, as their CUDA graphs replay them (run eagerly
+    here): 5 rows (buckets 1, 2, 4, 5), 8 streams of different lengths, so some decodes
+    carry 3 rows padded to 4 with the scratch state row. Every stream's tokens and audio are
+    the unpadded run's; with the padding written into row 0's state instead, they are not."""
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k % 4]), 2 + k % 5, seed=k) for k in range(8)]
+    padded_calls = []
+
+    def run(pad: bool, scratch: int | None = None) -> BatchedServer:
+        server = BatchedServer(
+            model, 5, 256, TOPK, graphs=False, codec=True, keep_audio=True, pad_codec=pad
+        )
+        assert server.codec is not None and server.codec.row_buckets == [1, 2, 4, 5]
+        stream = server.codec.stream
+        if scratch is not None:
+            stream.scratch = scratch
+        decode = stream.decode
+        monkeypatch.setattr(
+            stream, "decode", lambda r, c: padded_calls.append(r.tolist()) or decode(r, c)
+        )
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        return server
+
+    def audio(server: BatchedServer) -> list[np.ndarray]:
+        return [np.concatenate(server.audio[r.key], axis=-1) for r in reqs]
+
+    plain = run(False)
+    assert set(plain.stats.codec_decodes) == {"eager"}
+    padded_calls.clear()
+    padded = run(True)
+    assert set(padded.stats.codec_decodes) == {"padded"}
+    assert any(5 in rows for rows in padded_calls)  # a decode was padded (scratch row 5)
+    assert padded.tokens == plain.tokens
+    for a, b in zip(audio(plain), audio(padded), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+    broken = run(True, scratch=0)
+    assert any(
+        a.shape != b.shape or np.abs(a - b).max() > 1e-3 * np.abs(a).max()
+        for a, b in zip(audio(plain), audio(broken), strict=True)
+    )
+
+
 def test_padded_prompt_writes_give_the_unpadded_tokens(model):
     """Prompt writes padded to (rows, tokens) buckets, as their CUDA graphs replay them (run
     eagerly here): 39 rows admitted at once (two chunks, 32 and 7 rows, the 7 padded to 8
@@ -396,31 +441,37 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
 
 
 @pytest.mark.gpu
-def test_the_overlapped_codec_gives_the_sync_codecs_tokens_and_audio_on_gpu():
-    """The codec on its own CUDA stream behind graphed steps: every stream's tokens equal
-    the sync codec's, and its audio too (float32; the same kernels in the same order per
-    row, so within 1e-5 of the audio's peak), with rows refilled mid-run."""
+def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(monkeypatch):
+    """The codec eager between graphed steps, then replayed from its row buckets' graphs,
+    then on its own CUDA stream as well: every stream's tokens are equal, and its audio
+    too, within 1e-5 of its peak (float32 with TF32 off: padded batches pick other
+    convolution algorithms, and TF32's 10-bit products differ by about 1e-3), with rows
+    refilled mid-run."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="float32"))
     reqs = [
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for overlap in (False, True):
+    for overlap, pad in ((False, False), (False, None), (True, None)):
         server = BatchedServer(
             gpu_model, 2, 256, TOPK, graphs=True, codec=True, keep_audio=True,
-            codec_overlap=overlap,
+            codec_overlap=overlap, pad_codec=pad,
         )  # fmt: skip
         server.warm_up()
         records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
         assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
+        assert set(server.stats.codec_decodes) == ({"eager"} if pad is False else {"graph"})
         runs.append(server)
-    sync, overlapped = runs
+    eager, graphed, overlapped = runs
     assert overlapped.codec.side is not None and overlapped.phase_seconds()["codec_launch"] > 0
-    assert sync.tokens == overlapped.tokens
-    for req in reqs:
-        a = np.concatenate(sync.audio[req.key], axis=-1)
-        b = np.concatenate(overlapped.audio[req.key], axis=-1)
-        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), req.key
+    for other in (graphed, overlapped):
+        assert eager.tokens == other.tokens
+        for req in reqs:
+            a = np.concatenate(eager.audio[req.key], axis=-1)
+            b = np.concatenate(other.audio[req.key], axis=-1)
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), req.key
 
 
 @pytest.mark.gpu

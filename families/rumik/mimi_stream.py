@@ -17,8 +17,9 @@ different points of their streams decoded together. What each stage carries per 
   SEANet         each causal stride-1 convolution's last (kernel - 1) * dilation inputs, and
                  each transposed convolution's tail, as above.
 
-State lives in tensors with one row per stream slot (`rows`), so a batch of any rows is
-gathered, stepped and scattered back. `reset(rows)` starts new streams in those slots.
+State lives in tensors with one row per stream slot (`rows`), and one more, `scratch`, that
+no stream owns (a padded batch's filler rows step it), so a batch of any rows is gathered,
+stepped and scattered back. `reset(rows)` starts new streams in those slots.
 Exactness against the whole-sequence decode is measured (tests/test_mimi_stream.py), not
 assumed: the same weights, float rounding apart.
 """
@@ -56,6 +57,7 @@ class MimiStream:
 
     def __init__(self, codec: Any, rows: int) -> None:
         self.codec, self.rows = codec, rows
+        self.scratch = rows  # the state row padding rows read and write
         self.upsample, self.transformer, self.seanet = decoder_parts(codec)
         cfg = self.transformer.config
         if getattr(cfg, "pad_mode", "constant") != "constant":
@@ -67,11 +69,11 @@ class MimiStream:
         for conv in self._stateful():
             self.state[id(conv)] = self._zeros(*self._carried(conv))
         attn = self.transformer.layers[0].self_attn
-        kv = (rows, attn.num_key_value_heads, self.window, attn.head_dim)
+        kv = (rows + 1, attn.num_key_value_heads, self.window, attn.head_dim)
         n = len(self.transformer.layers)
         self.keys = [torch.zeros(kv, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.values = [torch.zeros(kv, device=self.device, dtype=self.dtype) for _ in range(n)]
-        self.position = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -93,7 +95,8 @@ class MimiStream:
         return inner.in_channels, int(conv.padding_total)
 
     def _zeros(self, channels: int, samples: int) -> torch.Tensor:
-        return torch.zeros(self.rows, channels, samples, device=self.device, dtype=self.dtype)
+        shape = (self.rows + 1, channels, samples)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Start new streams in these slots: zero history, position 0."""

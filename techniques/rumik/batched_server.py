@@ -13,7 +13,8 @@ The host loop, top to bottom, for one `step()`:
      returns; True: launched on a side CUDA stream behind the next step's graph, so the
      codec runs while that step runs, and reported at the first step end after it is done.
      A row that sampled its last token stops decoding at once and is freed (taken by the
-     next request) only when its last chunk's audio is ready.
+     next request) only when its last chunk's audio is ready. Where steps are graphed, a
+     decode is padded to a row bucket and replayed from that bucket's graph as well.
 
 Codec: a streaming Mimi decode (families/rumik/mimi_stream.py) with one state row per
 cache row, reset when a request takes the row: a stream's chunks decode to the audio its
@@ -37,7 +38,7 @@ from orchestrate.api.family import StreamRequest
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
-from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
+from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
 from orchestrate.techniques.rumik.prompt_writes import PromptWriter
 
 
@@ -80,19 +81,9 @@ class ServerStats:
     # prompt writes by path: "graph" (a bucket's CUDA graph), "padded" (a bucket's shapes,
     # eager), "eager" (the prompts' own shapes: no padding, or longer than every bucket)
     prefill_writes: dict[str, int] = field(default_factory=dict)
+    codec_decodes: dict[str, int] = field(default_factory=dict)  # by path, as prefill_writes
     buckets_used: set[tuple[int, int]] = field(default_factory=set)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
-
-
-def buckets(limit: int, small: tuple[int, ...], stride: int) -> list[int]:
-    """`small` sizes below `limit`, then multiples of `stride`, ending exactly at `limit`."""
-    out = [n for n in small if n < limit]
-    n = stride
-    while n < limit:
-        if not out or n > out[-1]:
-            out.append(n)
-        n += stride
-    return [*out, limit]
 
 
 class BatchedServer:
@@ -113,6 +104,7 @@ class BatchedServer:
         head: str = "codebook",
         codec_overlap: bool = False,
         pad_prefill: bool | None = None,
+        pad_codec: bool | None = None,
         admit_every: int = 1,
     ):
         self.model, self.sampling = model, sampling
@@ -120,7 +112,18 @@ class BatchedServer:
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.chunk_frames = chunk_frames
-        self.codec = ChunkCodec(model, rows, codec_overlap) if codec else None
+        self.codec = (
+            ChunkCodec(
+                model,
+                rows,
+                codec_overlap,
+                chunk_frames=chunk_frames,
+                graphs=self.graphs_on,
+                padded=pad_codec,
+            )
+            if codec
+            else None
+        )
         self.overlap = codec and codec_overlap
         self.phases = OVERLAP_PHASES if self.overlap else SYNC_PHASES
         # key -> its decoded chunks, kept only when asked (tests; a server sends them on)
@@ -132,7 +135,7 @@ class BatchedServer:
         if admit_every < 1:
             raise ServingError(f"admit_every must be at least 1 (got {admit_every})")
         self.admit_every, self.last_admit_step = admit_every, -admit_every
-        self.batch_buckets = buckets(rows, (1, 2, 4, 8, 16, 32, 64), 64)
+        self.batch_buckets = buckets(rows, ROW_BUCKETS, 64)
         # The kernel reads each row's own length: one context bucket (the whole cache) is all
         # it needs, and a bucket size's graphs are captured once, not once per context.
         self.ctx_buckets = (
@@ -184,7 +187,8 @@ class BatchedServer:
             "sampler": "top-k via Gumbel-max with hashed per-row noise (stock's top-k "
             "distribution, another random stream)",
             "codec": "streaming Mimi decode of each completed chunk, batched across streams, "
-            "state carried per row"
+            "state carried per row, "
+            + self.codec.described()
             + ("; launched on a side CUDA stream behind the next step" if self.overlap else "")
             if self.codec is not None
             else "excluded",
@@ -313,7 +317,7 @@ class BatchedServer:
         chunked = self._collect(sampled) if sampled is not None else np.empty(0, np.int64)
         if self.codec is not None and not self.overlap:
             t1 = time.perf_counter()
-            self.codec.launch()  # and waits for the audio
+            self.codec.launch(self.stats.codec_decodes)  # and waits for the audio
             self._synced("codec", t1)
             t0 += time.perf_counter() - t1  # host time is the rest
         events = self._report(chunked)
@@ -341,7 +345,7 @@ class BatchedServer:
         """Start the queued chunks on the codec's stream; returns the host seconds it took."""
         assert self.codec is not None
         t0 = time.perf_counter()
-        self.codec.launch()
+        self.codec.launch(self.stats.codec_decodes)
         spent = time.perf_counter() - t0
         self.stats.seconds["codec_launch"] += spent
         return spent
@@ -406,14 +410,16 @@ class BatchedServer:
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Capture every (batch, context) bucket's step graph up front, so no capture lands
-        inside a timed load level. Returns the number captured (0 on the CPU)."""
+        """Capture every (batch, context) bucket's step graph, the prompt writes' and the
+        codec's up front, so no capture lands inside a timed load level. Returns the number
+        captured (0 on the CPU)."""
         if not self.graphs_on:
             return 0
         for b in self.batch_buckets:
             for s in self.ctx_buckets:
                 self._capture(b, s)
-        return len(self.graphs) + self.prompts.capture_all()
+        codec = self.codec.capture_all() if self.codec is not None else 0
+        return len(self.graphs) + self.prompts.capture_all() + codec
 
     def _pool(self) -> Any:
         """The memory pool every graph of this server shares (graphs replay one at a time;

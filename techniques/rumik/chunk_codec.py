@@ -10,6 +10,14 @@ Two modes, the same audio:
            end after its event has completed (`finished`).
 On the CPU `overlap` has no second stream: it runs as `sync` does, one step later.
 
+A decode launches hundreds of small kernels (Mimi's transformer and SEANet, per chunk), which
+cost the host more than the GPU at serving batch sizes. With `graphs` (CUDA), a decode of
+`chunk_frames` frames is padded to a row bucket (1 to 64, then multiples of 64) and replayed
+from that bucket's CUDA graph, captured by `capture_all` in the server's warm-up; `padded`
+without graphs pads the same way, eagerly (for tests). Padding rows step MimiStream's
+`scratch` state row, which no stream owns. Other chunk lengths (a stream's shorter last
+chunk) decode eagerly at their own shape.
+
 Every state the codec touches (MimiStream's per-row convolution tails, windowed keys and
 values, positions) is read and written on one stream in launch order, resets included,
 so a row reused by a new stream starts from zeros after its previous stream's last chunk.
@@ -17,6 +25,7 @@ so a row reused by a new stream starts from zeros after its previous stream's la
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from collections.abc import Iterator
@@ -27,6 +36,7 @@ import torch
 
 from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
+from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
 
 
 @dataclass
@@ -37,8 +47,25 @@ class CodecJob:
     done: torch.cuda.Event | None = None  # None: the audio is on the host already
 
 
+@dataclass
+class CodecGraph:
+    graph: torch.cuda.CUDAGraph
+    rows: torch.Tensor  # [bucket] its static inputs, filled before each replay
+    codes: torch.Tensor  # [bucket, codebooks, chunk_frames]
+    audio: torch.Tensor  # its output, overwritten by the next replay in the pool
+
+
 class ChunkCodec:
-    def __init__(self, model: RumikModel, rows: int, overlap: bool) -> None:
+    def __init__(
+        self,
+        model: RumikModel,
+        rows: int,
+        overlap: bool,
+        *,
+        chunk_frames: int = 1,
+        graphs: bool = False,
+        padded: bool | None = None,
+    ) -> None:
         self.vocab = model.vocab
         self.stream = MimiStream(model.codec, rows)
         self.device = self.stream.device
@@ -46,6 +73,20 @@ class ChunkCodec:
         self.side = torch.cuda.Stream(self.device) if overlap and cuda else None
         self.queued: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []  # rows, upto, codes
         self.inflight: deque[CodecJob] = deque()
+        self.chunk_frames = chunk_frames
+        self.graphs_on = graphs and cuda
+        self.padded = self.graphs_on if padded is None else padded
+        self.row_buckets = buckets(rows, ROW_BUCKETS, 64)
+        self.graphs: dict[int, CodecGraph] = {}
+
+    def described(self) -> str:
+        if not self.padded:
+            return "each chunk length's rows decoded together, eagerly"
+        how = "its CUDA graph replayed" if self.graphs_on else "eagerly"
+        return (
+            f"{self.chunk_frames}-frame chunks padded to a row bucket "
+            f"({self.row_buckets[0]} to {self.row_buckets[-1]}), {how}"
+        )
 
     @contextlib.contextmanager
     def _on_codec_stream(self) -> Iterator[None]:
@@ -81,13 +122,14 @@ class ChunkCodec:
             self.queued.append((rows[sel], first[sel] + n, codes))
 
     @torch.inference_mode()
-    def launch(self) -> None:
-        """Start decoding every queued chunk (sync: and wait for its audio)."""
+    def launch(self, paths: dict[str, int]) -> None:
+        """Start decoding every queued chunk (sync: and wait for its audio); `paths` counts
+        the decodes by how they ran: "graph", "padded" (a bucket's shapes, eager), "eager"."""
         for rows, upto, codes in self.queued:
             with self._on_codec_stream():
-                audio = self.stream.decode(
-                    self._to_device(torch.from_numpy(rows)), self._to_device(codes)
-                ).float()
+                audio, how = self._decode(rows, codes)
+                paths[how] = paths.get(how, 0) + 1
+                audio = audio.float()
                 if self.side is None:
                     self.inflight.append(CodecJob(rows, upto, audio.cpu()))
                     continue
@@ -96,6 +138,46 @@ class ChunkCodec:
                 done.record(self.side)
             self.inflight.append(CodecJob(rows, upto, host, done))
         self.queued.clear()
+
+    def _decode(self, rows: np.ndarray, codes: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """Audio [len(rows), ...] of each row's chunk, and how it ran (`launch`)."""
+        n = len(rows)
+        if not self.padded or codes.shape[-1] != self.chunk_frames:
+            at = self._to_device(torch.from_numpy(rows))
+            return self.stream.decode(at, self._to_device(codes)), "eager"
+        nb = self.row_buckets[bisect.bisect_left(self.row_buckets, n)]
+        padded_rows = torch.full((nb,), self.stream.scratch, dtype=torch.long)
+        padded_rows[:n] = torch.from_numpy(rows)
+        padded_codes = codes.new_zeros((nb, *codes.shape[1:]))
+        padded_codes[:n] = codes
+        if not self.graphs_on:
+            out = self.stream.decode(padded_rows.to(self.device), padded_codes.to(self.device))
+            return out[:n], "padded"
+        g = self.graphs.get(nb) or self._capture(nb)
+        g.rows.copy_(self._to_device(padded_rows))
+        g.codes.copy_(self._to_device(padded_codes))
+        g.graph.replay()  # on the current stream: the codec's
+        return g.audio[:n], "graph"
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Every row bucket's decode graph (none unless graphed); returns how many."""
+        if self.graphs_on:
+            for nb in self.row_buckets:
+                if nb not in self.graphs:
+                    self._capture(nb)
+        return len(self.graphs)
+
+    def _capture(self, nb: int) -> CodecGraph:
+        """Bucket `nb`'s decode, warmed up and captured stepping only the scratch row, in
+        the codec's own memory pool (its replays overlap the server's step graphs')."""
+        rows = torch.full((nb,), self.stream.scratch, dtype=torch.long, device=self.device)
+        shape = (nb, self.vocab.num_quantizers, self.chunk_frames)
+        codes = torch.zeros(shape, dtype=torch.long, device=self.device)
+        pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
+        graph, audio = warm_and_capture(lambda: self.stream.decode(rows, codes), pool)
+        self.graphs[nb] = CodecGraph(graph, rows, codes, audio)
+        return self.graphs[nb]
 
     def finished(self) -> list[CodecJob]:
         """The launched jobs whose audio has reached the host, in launch order."""

@@ -72,6 +72,20 @@ class GraphedDecoder:
         self.graph = graph
 
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of 64 (`buckets`)
+
+
+def buckets(limit: int, small: tuple[int, ...], stride: int) -> list[int]:
+    """`small` sizes below `limit`, then multiples of `stride`, ending exactly at `limit`."""
+    out = [n for n in small if n < limit]
+    n = stride
+    while n < limit:
+        if not out or n > out[-1]:
+            out.append(n)
+        n += stride
+    return [*out, limit]
+
+
 def warm_and_capture(
     run: Callable[[], T], pool: Any = None, warmups: int = 2
 ) -> tuple[torch.cuda.CUDAGraph, T]:
