@@ -423,11 +423,13 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for graphs in (False, True):  # graphs: the decode steps' and the padded prompt writes'
+    for graphs in (False, True):  # the decode steps', padded prompt writes' and codec's graphs
         server = BatchedServer(gpu_model, 2, 256, TOPK, graphs=graphs, codec=True)
+        assert server.codec is not None
         assert server.warm_up() == (
             len(server.batch_buckets) * len(server.ctx_buckets)
             + len(server.prompts.row_buckets) * len(server.prompts.token_buckets)
+            + len(server.codec.row_buckets)
             if graphs
             else 0
         )
