@@ -1,0 +1,108 @@
+"""What the serving codec costs on the GPU: streaming Mimi decodes of many rows at once.
+
+    python benchmarks/codec_bench.py --rows 32,128,256,512 --frames 1,4 --out codec.json
+
+The real Mimi decoder (rumik-oss-1's preset, random weights, seeded codebooks) in
+MimiStream, as the server's codec runs it: each (rows, frames) decode is captured in a CUDA
+graph and its replays timed by CUDA events, variants interleaved per replay:
+  fp32        float32, cuDNN's default (TF32 convolutions), what the server runs;
+  fp32-exact  float32 with TF32 off;
+  bf16        the decoder in bfloat16 (APPROXIMATE: its audio's max |diff| from fp32-exact's,
+              over fp32-exact's peak, is recorded beside its time).
+Per variant and shape: the median ms per decode and the codec's throughput, audio seconds
+decoded per second (rows * frames * 0.08 s / the median). A server keeping N streams real
+time needs at least N audio seconds per second from its codec, beside its decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from orchestrate.api.family import seed_codebooks
+from orchestrate.families.rumik.mimi_stream import MimiStream
+from orchestrate.families.rumik.presets import PRESETS
+from orchestrate.running.environment import capture
+from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
+
+FRAME_S = 0.08
+
+
+def build_codec(dtype: torch.dtype):
+    from transformers import MimiConfig, MimiModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        codec = MimiModel(MimiConfig(**PRESETS["rumik-oss-1"].mimi)).eval()
+        seed_codebooks(codec)
+    return codec if dtype == torch.float32 else copy.deepcopy(codec).to(dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="32,128,256,512")
+    ap.add_argument("--frames", default="1,4")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    env = capture("cuda", "none")
+    doc: dict = {"environment": env.model_dump(mode="json"), "frame_s": FRAME_S, "levels": []}
+    fp32 = build_codec(torch.float32)
+    codecs = {"fp32": fp32, "fp32-exact": fp32, "bf16": build_codec(torch.bfloat16)}
+    tf32 = {"fp32": True, "fp32-exact": False, "bf16": True}
+    quantizers = fp32.config.num_quantizers
+    for frames in (int(f) for f in args.frames.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            gen = torch.Generator(device="cuda").manual_seed(rows)
+            codes = torch.randint(0, fp32.config.codebook_size, (rows, quantizers, frames),
+                                  device="cuda", generator=gen)  # fmt: skip
+            index = torch.arange(rows, device="cuda")
+            graphs, outs, errors = {}, {}, {}
+            for name, codec in codecs.items():
+                torch.backends.cudnn.allow_tf32 = tf32[name]  # baked in at capture
+                stream = MimiStream(codec, rows)
+                try:
+                    run = functools.partial(stream.decode, index, codes)
+                    graphs[name], outs[name] = warm_and_capture(run)
+                except Exception as exc:  # a variant that cannot run is recorded, not timed
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+                    print(f"rows {rows} frames {frames}: {name} failed: {errors[name]}")
+            times: dict[str, list[float]] = {name: [] for name in graphs}
+            for _ in range(args.replays):
+                for name, graph in graphs.items():
+                    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end))
+            ref = outs["fp32-exact"].float()
+            level = {"rows": rows, "frames": frames, "replays": args.replays, "variants": {}}
+            level["errors"] = errors
+            for name, t in times.items():
+                ms = statistics.median(t)
+                diff = (outs[name].float() - ref).abs().max() / ref.abs().max()
+                level["variants"][name] = {
+                    "median_ms_per_decode": ms,
+                    "audio_s_per_s": rows * frames * FRAME_S / (ms / 1000),
+                    "max_abs_diff_over_peak_vs_fp32_exact": float(diff),
+                }
+                print(
+                    f"rows {rows:4d} frames {frames}: {name:10s} {ms:8.3f} ms"
+                    f" {rows * frames * FRAME_S / (ms / 1000):9.0f} audio s/s, diff {diff:.1e}",
+                    flush=True,
+                )
+            doc["levels"].append(level)
+            args.out.write_text(json.dumps(doc, indent=1))
+            del graphs, outs
+    torch.backends.cudnn.allow_tf32 = True
+
+
+if __name__ == "__main__":
+    main()
