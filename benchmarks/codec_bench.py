@@ -12,6 +12,9 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
 Per variant and shape: the median ms per decode and the codec's throughput, audio seconds
 decoded per second (rows * frames * 0.08 s / the median). A server keeping N streams real
 time needs at least N audio seconds per second from its codec, beside its decode steps.
+`--profile ROWS`: one eager fp32 decode of ROWS rows and 1 frame under torch.profiler: the
+CUDA time of the kernels each operator launched itself (self device time, so nothing is
+counted twice), by operator, the largest first (where the time goes).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rows", default="32,128,256,512")
     ap.add_argument("--frames", default="1,4")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, help="rows of one profiled decode")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     env = capture("cuda", "none")
@@ -102,6 +106,43 @@ def main() -> None:
             args.out.write_text(json.dumps(doc, indent=1))
             del graphs, outs
     torch.backends.cudnn.allow_tf32 = True
+    if args.profile:
+        doc["profile"] = profile(fp32, args.profile)
+        args.out.write_text(json.dumps(doc, indent=1))
+
+
+def profile(codec, rows: int, top: int = 20) -> dict:
+    """CUDA kernel time of one eager decode (after one warm-up), by operator."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    stream = MimiStream(codec, rows)
+    shape = (rows, codec.config.num_quantizers, 1)
+    codes = torch.randint(0, codec.config.codebook_size, shape, device="cuda")
+    index = torch.arange(rows, device="cuda")
+    stream.decode(index, codes)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stream.decode(index, codes)
+        torch.cuda.synchronize()
+    kernels = [
+        (e.key, e.self_device_time_total / 1000, e.count)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k[1])
+    total = sum(ms for _, ms, _ in kernels)
+    for name, ms, n in kernels[:top]:
+        print(f"{ms:8.3f} ms {n:5d}x  {name[:90]}", flush=True)
+    print(f"profile: {total:.3f} ms of CUDA kernels in one decode of {rows} rows", flush=True)
+    if not kernels:
+        print("profile: no operator reported device time (this profiler's event layout)")
+    return {
+        "rows": rows,
+        "frames": 1,
+        "kernel_ms_total": total,
+        "top": [{"operator": k, "ms": ms, "calls": n} for k, ms, n in kernels[:top]],
+    }
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 #   bash benchmarks/serving_h200.sh            (about 9 minutes; carry omnivoice and pydub)
 #   SERVING_PARTS="ov ov-runner" bash benchmarks/serving_h200.sh   (parts: tests rumik ov runner,
 #   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched;
-#   sustained-runner: serve-gpu-sustained through the runner, the overlap stack)
+#   sustained-runner: serve-gpu-sustained through the runner, the overlap stack;
+#   codec: the streaming codec alone, benchmarks/codec_bench.py, with one profiled decode)
 # The whole script overran OmniVoice's 120 s on an H100 (cut while building): run `ov` in a
 # call of its own (OV_TIMEOUT, default 120 s) where it matters.
 # 1. the batched attention kernel compiled: its tests against the reference and the
@@ -25,6 +26,9 @@ timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py
 timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serving.py 2>&1 \
     | tee -a "$OUT/serving-gpu-tests.log" | tail -3
 fi
+[[ $parts == *" codec "* ]] && timeout "${CODEC_TIMEOUT:-150}" python3 benchmarks/codec_bench.py \
+    --rows "${CODEC_ROWS:-32,128,256,512}" --frames 1,4 --profile "${CODEC_PROFILE_ROWS:-512}" \
+    --out "$OUT/codec.json" 2>&1 | tee "$OUT/codec.log"
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
     --admit-every "${ADMIT_EVERY:-1}" \
