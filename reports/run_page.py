@@ -62,6 +62,7 @@ class RunView:
     protocol: list[tuple[str, str]]
     headers: list[str]
     rows: list[list[str]]
+    table_note: str  # what the table's figures are (tables.table_note)
     notes: list[str]  # skipped techniques, warnings, errors: under the table
     fidelity: list[str]
     quality: list[str]
@@ -115,6 +116,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
         protocol=_protocol(row, protocol),
         headers=headers,
         rows=rows,
+        table_note=tables.table_note(row["stacks"]),
         notes=notes,
         fidelity=_fidelity(row),
         quality=_quality(scores, random),

@@ -286,6 +286,23 @@ def stack_cells(
     return headers, rows
 
 
+def table_note(stacks: list[dict[str, Any]]) -> str:
+    """The line under a stacks table saying what its figures are (stack_cells' columns)."""
+    if any("serve.streams" in s.get("metrics", {}) for s in stacks):
+        from orchestrate.running.serving import DEFINITIONS
+
+        return (
+            f"A serving run: per stack, its streams. Served: {DEFINITIONS['served']}, where "
+            f"{DEFINITIONS['underruns']}. First audio: {DEFINITIONS['ttfa_s']}. Stream RTF: "
+            f"{DEFINITIONS['rtf']}. Audio s/s: {DEFINITIONS['audio_s_per_s']}."
+        )
+    return (
+        "The speedup is the paired headline (per utterance, baseline and stack timed in the "
+        "same round) with its confidence interval; the aggregate RTF ratio beside it is total "
+        "time over total audio."
+    )
+
+
 def _serving_cells(stacks: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["stack", "status", *(h for _, h, _ in SERVING_COLUMNS), "exact"]
     rows = []

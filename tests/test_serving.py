@@ -692,6 +692,14 @@ def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     assert fid["sampler_tv"] <= fid["sampler_tv_bound"]  # its sampler: stock's distribution
     assert stack["exactness"] == "approximate"
     assert not any("exactness unmeasured" in w for w in stack["warnings"])
+    memory = doc["memory_bytes"]
+    assert memory["cache"] > 0 and 0 < memory["weights_copied"] < memory["weights_read"]
+    assert "memory_bytes" in doc["definitions"]
+    page = tmp_path / "page.html"  # the run's report page explains the serving columns
+    out = run_cli(["report", run["id"], "--db", db, "--out", str(page)], cli_env(), Path.cwd())
+    assert out.returncode == 0, out.stderr
+    html = page.read_text()
+    assert "A serving run: per stack, its streams" in html and "paired headline" not in html
 
 
 LOADS = {
