@@ -119,6 +119,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="LIVE:DURATION_S,... levels for our path: Poisson arrivals keeping LIVE streams "
         "playing, figures apart for the window (after one stream's length)",
     )
+    ap.add_argument(
+        "--batch1-vs",
+        default=None,
+        metavar="STACK",
+        help="also time STACK's single-stream engine on the same prompt and frames (ms per "
+        "token, prefill and codec excluded) against each path at 1 stream (--levels has 1)",
+    )
+    ap.add_argument("--batch1-repeats", type=int, default=5, help="timed runs of --batch1-vs")
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serving.json")
@@ -164,6 +172,17 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
         raise LoadError(f"--admit-every must be at least 1 (got {args.admit_every})")
+    if args.batch1_vs:
+        if 1 not in levels:
+            raise LoadError("--batch1-vs compares at 1 stream: --levels must include 1")
+        from orchestrate.api.config import load_stack
+
+        try:
+            family = load_stack(args.batch1_vs).family
+        except Exception as exc:  # unknown or malformed: said before any model is built
+            raise LoadError(f"--batch1-vs: {exc}") from exc
+        if family != "rumik":
+            raise LoadError(f"--batch1-vs {args.batch1_vs} is a {family} stack, not rumik")
     rows = args.rows if args.rows is not None else max(levels, default=0)
     loads = [Load(concurrency=n) for n in levels]
     loads += [Load(rate=r, duration_s=d) for r, d in poisson]
@@ -364,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     doc["model"]["build_s"] = time.perf_counter() - start
+    if args.batch1_vs:  # before any server: its engine is freed before the first cache
+        doc["batch1"] = single_stream(model, args.batch1_vs, prompt, frames, sampling, args)
+        doc["definitions"]["batch1"] = BATCH1
+        write(out, doc)
     runs = [(a, c) for c in args.codec.split(",") for a in args.attention.split(",")]
     for which, (attention, codec) in enumerate(runs):  # one server at a time: one cache
         path = path_name(attention, codec)
@@ -433,10 +456,79 @@ def main(argv: list[str] | None = None) -> int:
         del server
         if cuda:
             torch.cuda.empty_cache()
+    if args.batch1_vs and "error" not in doc["batch1"]:
+        ours = batch1_ours(doc["levels"])
+        theirs = doc["batch1"]["median_ms_per_token"]
+        doc["batch1"]["ours"] = ours
+        doc["batch1"]["ours_over_stack"] = {path: ms / theirs for path, ms in ours.items()}
+        print(batch1_line(doc["batch1"]), flush=True)
     doc["complete"] = True
     write(out, doc)
     plot(out, str(fig))
     return 0
+
+
+BATCH1 = (
+    "ms per token at one stream, prefill and codec excluded: the single-stream stack's "
+    "(generation loop seconds - its prefill seconds) / tokens, median over `repeats` runs "
+    "after an untimed one; each path's (wall - prefill - codec phases) / decode steps at "
+    "its 1-stream level; `ours_over_stack` > 1: ours is slower"
+)
+
+
+def single_stream(model, name: str, prompt: list[int], frames: int, sampling, args) -> dict:
+    """`name`'s single-stream engine on the same prompt, frames and sampling (BATCH1)."""
+    import gc
+    import statistics
+
+    from orchestrate.api.config import load_stack
+    from orchestrate.api.registry import build_stack, get_family
+    from orchestrate.api.technique import DeviceCaps
+
+    family = get_family("rumik")
+    engine = family.build_engine(
+        model, build_stack(load_stack(name), DeviceCaps.probe(args.device))
+    )
+    ms, runs = [], 1 + max(1, args.batch1_repeats)
+    for r in range(runs):  # the first: graph capture, compilation (untimed)
+        generator = torch.Generator(device=model.device).manual_seed(args.seed + r)
+        sync(args.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            gen = engine.loop(engine, prompt, frames, sampling, generator)
+        sync(args.device)
+        loop_s = time.perf_counter() - t0
+        if gen.prefill_s is None:
+            return {"stack": name, "error": "its loop reports no prefill time"}
+        if r:
+            ms.append(1000 * (loop_s - gen.prefill_s) / len(gen.tokens))
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"stack": name, "ms_per_token": ms, "median_ms_per_token": statistics.median(ms)}
+
+
+def batch1_ours(levels: list[dict[str, Any]]) -> dict[str, float]:
+    """Each path's ms per token at its 1-stream level (BATCH1)."""
+    out = {}
+    for lv in levels:
+        phases = lv.get("phase_ms_per_step")
+        if lv.get("concurrency") != 1 or not phases or not lv.get("mean_step_ms"):
+            continue
+        left_out = sum(v for k, v in phases.items() if k == "prefill" or k.startswith("codec"))
+        out[lv["path"]] = lv["mean_step_ms"] - left_out
+    return out
+
+
+def batch1_line(b: dict[str, Any]) -> str:
+    if "error" in b:
+        return f"batch 1: {b['stack']}: {b['error']}"
+    theirs = b["median_ms_per_token"]
+    return "batch 1 (ms per token, prefill and codec excluded): " + ", ".join(
+        [f"{b['stack']} {theirs:.3f}"]
+        + [f"{p} {ms:.3f} ({ms / theirs:.3f}x)" for p, ms in b["ours"].items()]
+    )
 
 
 def brief(level: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@
 #   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched;
 #   sustained-runner: serve-gpu-sustained through the runner, the overlap stack;
 #   codec: the streaming codec alone, benchmarks/codec_bench.py, with one profiled decode)
+# BATCH1_VS=exp74-full: the rumik part also times that single-stream stack on the same prompt
+# against each path at 1 stream (ms per token, prefill and codec excluded).
 # The whole script overran OmniVoice's 120 s on an H100 (cut while building): run `ov` in a
 # call of its own (OV_TIMEOUT, default 120 s) where it matters.
 # 1. the batched attention kernel compiled: its tests against the reference and the
@@ -32,7 +34,8 @@ fi
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
     --admit-every "${ADMIT_EVERY:-1}" \
-    --levels "${LEVELS:-32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
+    --levels "${LEVELS:-1,32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
+    ${BATCH1_VS:+--batch1-vs "$BATCH1_VS"} \
     --baseline-levels 32 --time-budget 250 \
     --out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 [[ $parts == *" ov "* ]] && timeout "${OV_TIMEOUT:-120}" python3 benchmarks/ov_serving_bench.py --device cuda --stack ov-best \

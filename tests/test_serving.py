@@ -520,6 +520,8 @@ def _bench():
         (["--poisson", "5"], "without a duration"),
         (["--attention", "flash"], "each one of sdpa, triton"),
         (["--attention", "sdpa,triton"], "--attention triton needs --device cuda"),
+        (["--levels", "2", "--batch1-vs", "cpu-fast"], "--levels must include 1"),
+        (["--levels", "1", "--batch1-vs", "no-such-stack"], "--batch1-vs: "),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
@@ -540,8 +542,14 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "s.json"
     argv = ["--device", "cpu", "--levels", "1,2", "--baseline-levels", "2", "--frames", "2"]
     argv += ["--sustained", "2:0.4"]  # streams of 0.16 s: a window from 0.16 s to 0.4 s
+    argv += ["--batch1-vs", "cpu-fast", "--batch1-repeats", "2"]
     assert _bench().main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    batch1 = doc["batch1"]  # cpu-fast's single stream against ours at 1 stream
+    assert batch1["stack"] == "cpu-fast" and len(batch1["ms_per_token"]) == 2
+    assert batch1["ours"]["ours"] > 0 and batch1["ours_over_stack"]["ours"] == pytest.approx(
+        batch1["ours"]["ours"] / batch1["median_ms_per_token"]
+    )
     assert doc["complete"] and not doc["skipped"]
     paths = [(lv["path"], lv["concurrency"] or lv["live"]) for lv in doc["levels"]]
     assert paths == [("ours", 1), ("ours", 2), ("baseline_b", 2), ("ours", 2)]
