@@ -12,6 +12,8 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
 Per variant and shape: the median ms per decode and the codec's throughput, audio seconds
 decoded per second (rows * frames * 0.08 s / the median). A server keeping N streams real
 time needs at least N audio seconds per second from its codec, beside its decode steps.
+`--count-only` (any device, the CPU here): FLOPs of one decode per stream and frame
+(torch's FLOP counter) and the state each stream carries, written to --out; no timing.
 `--profile ROWS`: one eager fp32 decode of ROWS rows and 1 frame under torch.profiler: the
 CUDA time of the kernels each operator launched itself (self device time, so nothing is
 counted twice), by operator, the largest first (where the time goes).
@@ -37,11 +39,11 @@ from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 FRAME_S = 0.08
 
 
-def build_codec(dtype: torch.dtype):
+def build_codec(dtype: torch.dtype, device: str = "cuda"):
     from transformers import MimiConfig, MimiModel
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         codec = MimiModel(MimiConfig(**PRESETS["rumik-oss-1"].mimi)).eval()
         seed_codebooks(codec)
     return codec if dtype == torch.float32 else copy.deepcopy(codec).to(dtype)
@@ -53,8 +55,12 @@ def main() -> None:
     ap.add_argument("--frames", default="1,4")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", type=int, default=0, help="rows of one profiled decode")
+    ap.add_argument("--count-only", action="store_true", help="FLOPs and state, no timing")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.count_only:
+        args.out.write_text(json.dumps(count(), indent=1))
+        return
     env = capture("cuda", "none")
     doc: dict = {"environment": env.model_dump(mode="json"), "frame_s": FRAME_S, "levels": []}
     fp32 = build_codec(torch.float32)
@@ -109,6 +115,35 @@ def main() -> None:
     if args.profile:
         doc["profile"] = profile(fp32, args.profile)
         args.out.write_text(json.dumps(doc, indent=1))
+
+
+def count(rows: int = 4) -> dict:
+    """FLOPs of one 1-frame decode per stream, by module, and the bytes of state a stream
+    carries (convolution tails; the transformer's windowed keys and values), float32."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from orchestrate.running.environment import git_state
+
+    codec = build_codec(torch.float32, "cpu")
+    stream = MimiStream(codec, rows)
+    shape = (rows, codec.config.num_quantizers, 1)
+    codes = torch.randint(0, codec.config.codebook_size, shape)
+    with FlopCounterMode(display=False) as counter:
+        stream.decode(torch.arange(rows), codes)
+    by_module = {name: sum(ops.values()) / rows for name, ops in counter.get_flop_counts().items()}
+    doc = {
+        "preset": "rumik-oss-1",
+        "git_sha": git_state()[0],
+        "dirty": git_state()[1],
+        "torch": torch.__version__,
+        "frame_s": FRAME_S,
+        "flops_per_stream_frame": counter.get_total_flops() / rows,
+        "flops_per_stream_frame_by_module": by_module,
+        "conv_state_bytes_per_stream": sum(t[0].numel() * 4 for t in stream.state.values()),
+        "kv_state_bytes_per_stream": sum(t[0].numel() * 4 for t in stream.keys + stream.values),
+    }
+    print(json.dumps({k: v for k, v in doc.items() if "by_module" not in k}, indent=1))
+    return doc
 
 
 def profile(codec, rows: int, top: int = 20) -> dict:
