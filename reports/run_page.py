@@ -63,6 +63,8 @@ class RunView:
     headers: list[str]
     rows: list[list[str]]
     table_note: str  # what the table's figures are (tables.table_note)
+    # a serving run's phases and memory per stack (tables.serving_detail), else None
+    serving_detail: tuple[list[str], list[list[str]], str] | None
     notes: list[str]  # skipped techniques, warnings, errors: under the table
     fidelity: list[str]
     quality: list[str]
@@ -117,6 +119,7 @@ def view_from_store(store: Store, run_id: str) -> RunView:
         headers=headers,
         rows=rows,
         table_note=tables.table_note(row["stacks"]),
+        serving_detail=tables.serving_detail(row["stacks"]),
         notes=notes,
         fidelity=_fidelity(row),
         quality=_quality(scores, random),

@@ -303,6 +303,44 @@ def table_note(stacks: list[dict[str, Any]]) -> str:
     )
 
 
+PHASE_KEY, MEMORY_KEY = "serve.phase_ms_per_step.", "serve.memory_bytes."
+# The order a step runs its phases in (running/serving.py's phase names); others follow.
+PHASE_ORDER = ("prefill", "step", "codec", "codec_launch", "codec_wait", "host", "other")
+MEMORY_ORDER = ("weights_read", "weights_copied", "cache")
+
+
+def _ordered(keys: list[str], prefix: str, order: tuple[str, ...]) -> list[str]:
+    names = [k.removeprefix(prefix) for k in dict.fromkeys(keys) if k.startswith(prefix)]
+    rank = {name: i for i, name in enumerate(order)}
+    return [prefix + n for n in sorted(names, key=lambda n: (rank.get(n, len(order)), n))]
+
+
+def serving_detail(stacks: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], str] | None:
+    """Per serving stack, where a decode step goes (ms per step in each phase its server
+    timed) and the memory the server holds (GB = 1e9 bytes): headers, rows and the line
+    defining them; None where no stack has either."""
+    from orchestrate.running.serving import DEFINITIONS
+
+    keys = [k for s in stacks for k in s.get("metrics", {})]
+    phases = _ordered(keys, PHASE_KEY, PHASE_ORDER)
+    memory = _ordered(keys, MEMORY_KEY, MEMORY_ORDER)
+    if not phases and not memory:
+        return None
+    headers = ["stack"] + [f"{k.removeprefix(PHASE_KEY)} ms/step" for k in phases]
+    headers += [f"{k.removeprefix(MEMORY_KEY)} GB" for k in memory]
+    rows = []
+    for s in stacks:
+        m = s.get("metrics", {})
+        cells = [f"{m[k]:.3f}" if k in m else "-" for k in phases]
+        cells += [f"{m[k] / 1e9:.3g}" if k in m else "-" for k in memory]
+        rows.append([s["name"], *cells])
+    note = (
+        f"ms/step: {DEFINITIONS['phase_ms_per_step']}. GB: {DEFINITIONS['memory_bytes']}; "
+        "1 GB = 1e9 bytes."
+    )
+    return headers, rows, note
+
+
 def _serving_cells(stacks: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["stack", "status", *(h for _, h, _ in SERVING_COLUMNS), "exact"]
     rows = []

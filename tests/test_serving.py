@@ -708,6 +708,8 @@ def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     assert out.returncode == 0, out.stderr
     html = page.read_text()
     assert "A serving run: per stack, its streams" in html and "paired headline" not in html
+    assert "Where a step goes" in html and "step ms/step" in html and "cache GB" in html
+    assert m["serve.memory_bytes.cache"] == memory["cache"]
 
 
 LOADS = {

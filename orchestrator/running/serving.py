@@ -360,5 +360,6 @@ def serve_stack(
         f"serve.phase_ms_per_step.{name}": ms
         for name, ms in level.get("phase_ms_per_step", {}).items()
     }
+    metrics |= {f"serve.memory_bytes.{name}": float(n) for name, n in (setup.memory or {}).items()}
     metrics["serve.wall_s"] = wall_s
     return metrics, warm_s
