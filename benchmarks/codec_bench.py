@@ -6,6 +6,9 @@ The real Mimi decoder (rumik-oss-1's preset, random weights, seeded codebooks) i
 MimiStream, as the server's codec runs it: each (rows, frames) decode is captured in a CUDA
 graph and its replays timed by CUDA events, variants interleaved per replay:
   fp32        float32, cuDNN's default (TF32 convolutions), what the server runs;
+  fp32-ring   float32, TF32 convolutions, the transformer's window in ring slots
+              (MimiStream kv="ring": read once a layer, not gathered, appended and written
+              back);
   fp32-exact  float32 with TF32 off;
   bf16        the decoder in bfloat16 (APPROXIMATE: its audio's max |diff| from fp32-exact's,
               over fp32-exact's peak, is recorded beside its time).
@@ -64,8 +67,13 @@ def main() -> None:
     env = capture("cuda", "none")
     doc: dict = {"environment": env.model_dump(mode="json"), "frame_s": FRAME_S, "levels": []}
     fp32 = build_codec(torch.float32)
-    codecs = {"fp32": fp32, "fp32-exact": fp32, "bf16": build_codec(torch.bfloat16)}
-    tf32 = {"fp32": True, "fp32-exact": False, "bf16": True}
+    codecs = {
+        "fp32": fp32,
+        "fp32-ring": fp32,
+        "fp32-exact": fp32,
+        "bf16": build_codec(torch.bfloat16),
+    }
+    tf32 = {"fp32": True, "fp32-ring": True, "fp32-exact": False, "bf16": True}
     quantizers = fp32.config.num_quantizers
     for frames in (int(f) for f in args.frames.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -76,7 +84,8 @@ def main() -> None:
             graphs, outs, errors = {}, {}, {}
             for name, codec in codecs.items():
                 torch.backends.cudnn.allow_tf32 = tf32[name]  # baked in at capture
-                stream = MimiStream(codec, rows)
+                kv = "ring" if name.endswith("-ring") else "gather"
+                stream = MimiStream(codec, rows, kv=kv, max_frames=frames)
                 try:
                     run = functools.partial(stream.decode, index, codes)
                     graphs[name], outs[name] = warm_and_capture(run)

@@ -107,6 +107,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument(
+        "--codec-kv",
+        choices=("gather", "ring"),
+        default="gather",
+        help="how the codec keeps its transformer window (families/rumik/mimi_stream.py)",
+    )
+    ap.add_argument(
         "--admit-every",
         type=int,
         default=1,
@@ -354,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
+            "codec_kv": args.codec_kv,
             "admit_every": args.admit_every,
             "attention": {
                 "ours": "SDPA over the context bucket's positions with a per-row boolean mask",
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             attention=attention,
             codec_overlap=codec == "overlap",
             admit_every=args.admit_every,
+            codec_kv=args.codec_kv,
         )
         mine = (
             doc["ours"]

@@ -43,14 +43,22 @@ PLAN = [
 ]
 
 
+# How the transformer's window is kept: gathered and written back, or ring slots (whose
+# decodes longer than max_frames run as pieces: 1 splits every chunk, 4 the longer ones).
+LAYOUTS = pytest.mark.parametrize(
+    "kv, max_frames", [("gather", 4), ("ring", 4), ("ring", 1)], ids=["gather", "ring", "ring-1"]
+)
+
+
+@LAYOUTS
 @pytest.mark.parametrize("window", [6, 250], ids=["window-6-positions", "window-250"])
-def test_chunks_in_any_grouping_give_the_whole_decode(window):
+def test_chunks_in_any_grouping_give_the_whole_decode(window, kv, max_frames):
     """A 6-position window (3 frames) is far shorter than the 20-frame streams: the carried
     keys and values must slide, and every query sees only its own row's window."""
     model = codec(**{**TINY.mimi, "sliding_window": window})
     codes = torch.randint(0, model.config.codebook_size, (3, model.config.num_quantizers, 20))
     slots = [1, 3, 0]  # stream i lives in slot slots[i] of 4
-    stream = MimiStream(model, rows=4)
+    stream = MimiStream(model, rows=4, kv=kv, max_frames=max_frames)
     chunks: list[list[torch.Tensor]] = [[], [], []]
     done = [0, 0, 0]
     for streams, n in PLAN:
@@ -66,10 +74,11 @@ def test_chunks_in_any_grouping_give_the_whole_decode(window):
     assert not close(naive, whole(model, codes))
 
 
-def test_a_reset_slot_starts_a_new_stream():
+@LAYOUTS
+def test_a_reset_slot_starts_a_new_stream(kv, max_frames):
     model = codec(**{**TINY.mimi, "sliding_window": 6})
     first, second = (torch.randint(0, 64, (1, 8, 10)) for _ in range(2))
-    stream = MimiStream(model, rows=2)
+    stream = MimiStream(model, rows=2, kv=kv, max_frames=max_frames)
     slot = torch.tensor([1])
     stream.decode(slot, first[..., :7])
     stream.reset(slot)
@@ -81,16 +90,37 @@ def test_a_reset_slot_starts_a_new_stream():
     assert not close(stream.decode(slot, second[..., :4]), whole(model, second[..., :4]))
 
 
-def test_the_real_mimi_shape_streams_exactly():
+@LAYOUTS
+def test_the_real_mimi_shape_streams_exactly(kv, max_frames):
     """The released Mimi configuration (8 codebooks of 2048, 512-wide transformer, SEANet
     ratios 8, 6, 5, 4): 1920 samples a frame."""
     model = codec(num_quantizers=8)
     codes = torch.randint(0, 2048, (2, 8, 5))
-    stream = MimiStream(model, rows=2)
+    stream = MimiStream(model, rows=2, kv=kv, max_frames=max_frames)
     rows = torch.tensor([0, 1])
     got = torch.cat([stream.decode(rows, codes[..., :2]), stream.decode(rows, codes[..., 2:])], -1)
     assert got.shape[-1] == 5 * 1920
     assert close(got, whole(model, codes))
+
+
+def test_the_ring_holds_fewer_slots_than_a_window_cannot_pass_unnoticed():
+    """The ring must hold every key a chunk's queries see: with the slots of the window
+    alone (too few by a chunk's positions), 2-frame chunks lose keys and the audio is off."""
+    model = codec(**{**TINY.mimi, "sliding_window": 6})
+    codes = torch.randint(0, 64, (1, 8, 12))
+    stream = MimiStream(model, rows=1, kv="ring", max_frames=2)
+    short = stream.window  # what the ring would be without room for the chunk's positions
+    stream.slot_position = stream.slot_position[:, :short].clone()
+    stream.keys = [k[:, :, :short].clone() for k in stream.keys]
+    stream.values = [v[:, :, :short].clone() for v in stream.values]
+    slot = torch.tensor([0])
+    got = torch.cat([stream.decode(slot, codes[..., i : i + 2]) for i in range(0, 12, 2)], -1)
+    assert not close(got, whole(model, codes))
+
+
+def test_an_unknown_kv_layout_is_refused():
+    with pytest.raises(ValueError, match="kv 'paged': one of gather, ring"):
+        MimiStream(codec(**TINY.mimi), rows=1, kv="paged")
 
 
 def test_a_padding_it_cannot_stream_is_refused():

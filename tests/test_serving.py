@@ -97,17 +97,28 @@ def test_each_row_matches_its_batch_one_run(model, sampling, overlap):
         assert len(alone.tokens[req.key]) == req.frames * 8
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["codec-sync", "codec-overlap"])
-@pytest.mark.parametrize("chunk_frames", [1, 3])
-def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_frames, overlap):
+@pytest.mark.parametrize(
+    "overlap, chunk_frames, kv",
+    [
+        (False, 1, "gather"),
+        (True, 1, "gather"),
+        (False, 3, "gather"),
+        (True, 3, "gather"),
+        (False, 3, "ring"),  # the codec's window in ring slots (mimi_stream.py)
+    ],
+    ids=["sync-1", "overlap-1", "sync-3", "overlap-3", "sync-3-ring"],
+)
+def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_frames, overlap, kv):
     """Streams in 2 rows for 4 requests (rows refilled mid-run, so the codec state is reset
     for a new stream), decoded chunk by chunk as frames complete: each stream's audio equals
     Mimi's decode of its whole code sequence. Decoding each chunk on its own, as this server
     once did, is off by the audio's own scale at the chunk edges."""
     reqs = [ServeRequest(k, prompt(model, t), 4 + k, seed=k) for k, t in enumerate(TEXTS)]
     server = serve(
-        model, reqs, 2, TOPK, keep_audio=True, chunk_frames=chunk_frames, codec_overlap=overlap
-    )
+        model, reqs, 2, TOPK, keep_audio=True, chunk_frames=chunk_frames, codec_overlap=overlap,
+        codec_kv=kv,
+    )  # fmt: skip
+    assert server.codec is not None and server.codec.stream.kv == kv
     assert server.stats.prefills >= 3
     for req in reqs:
         got = np.concatenate(server.audio[req.key], axis=-1)
@@ -445,10 +456,10 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
 @pytest.mark.gpu
 def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(monkeypatch):
     """The codec eager between graphed steps, then replayed from its row buckets' graphs,
-    then on its own CUDA stream as well: every stream's tokens are equal, and its audio
-    too, within 1e-5 of its peak (float32 with TF32 off: padded batches pick other
-    convolution algorithms, and TF32's 10-bit products differ by about 1e-3), with rows
-    refilled mid-run."""
+    then on its own CUDA stream as well, then with its window in ring slots: every stream's
+    tokens are equal, and its audio too, within 1e-5 of its peak (float32 with TF32 off:
+    padded batches pick other convolution algorithms, and TF32's 10-bit products differ by
+    about 1e-3), with rows refilled mid-run."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="float32"))
@@ -456,19 +467,22 @@ def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(mo
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for overlap, pad in ((False, False), (False, None), (True, None)):
+    for overlap, pad, kv in (
+        (False, False, "gather"), (False, None, "gather"), (True, None, "gather"),
+        (True, None, "ring"),
+    ):  # fmt: skip
         server = BatchedServer(
             gpu_model, 2, 256, TOPK, graphs=True, codec=True, keep_audio=True,
-            codec_overlap=overlap, pad_codec=pad,
+            codec_overlap=overlap, pad_codec=pad, codec_kv=kv,
         )  # fmt: skip
         server.warm_up()
         records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
         assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
         assert set(server.stats.codec_decodes) == ({"eager"} if pad is False else {"graph"})
         runs.append(server)
-    eager, graphed, overlapped = runs
+    eager, graphed, overlapped, ring = runs
     assert overlapped.codec.side is not None and overlapped.phase_seconds()["codec_launch"] > 0
-    for other in (graphed, overlapped):
+    for other in (graphed, overlapped, ring):
         assert eager.tokens == other.tokens
         for req in reqs:
             a = np.concatenate(eager.audio[req.key], axis=-1)

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+KV_LAYOUTS = ("gather", "ring")  # how the transformer's window is kept (MimiStream._transformer)
+
 
 class StreamRefused(ValueError):
     """A codec layout this streaming decoder cannot reproduce exactly (it says which part)."""
@@ -55,25 +57,34 @@ def _kind(module: nn.Module) -> str:
 class MimiStream:
     """Streaming decode of `codec` for `rows` stream slots (see the module docstring)."""
 
-    def __init__(self, codec: Any, rows: int) -> None:
-        self.codec, self.rows = codec, rows
+    def __init__(self, codec: Any, rows: int, kv: str = "gather", max_frames: int = 4) -> None:
+        if kv not in KV_LAYOUTS:
+            raise ValueError(f"kv {kv!r}: one of {', '.join(KV_LAYOUTS)}")
+        self.codec, self.rows, self.kv = codec, rows, kv
         self.scratch = rows  # the state row padding rows read and write
         self.upsample, self.transformer, self.seanet = decoder_parts(codec)
         cfg = self.transformer.config
         if getattr(cfg, "pad_mode", "constant") != "constant":
             raise StreamRefused(f"pad_mode {cfg.pad_mode!r}: only zero padding streams exactly")
         self.window = int(cfg.sliding_window)
+        # Transformer positions per codec frame (Mimi's upsample doubles its 12.5 Hz frames).
+        per_frame = int(self.upsample.conv.stride[0]) if self.upsample is not None else 1
+        self.max_frames = max_frames  # ring: a longer decode runs as pieces of this many
+        ring = self.window + per_frame * max_frames  # every key a chunk's queries can see
+        slots = self.window if kv == "gather" else ring
         param = next(codec.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.state: dict[int, torch.Tensor] = {}  # id(conv module) -> [rows, C, carried]
         for conv in self._stateful():
             self.state[id(conv)] = self._zeros(*self._carried(conv))
         attn = self.transformer.layers[0].self_attn
-        kv = (rows + 1, attn.num_key_value_heads, self.window, attn.head_dim)
+        shape = (rows + 1, attn.num_key_value_heads, slots, attn.head_dim)
         n = len(self.transformer.layers)
-        self.keys = [torch.zeros(kv, device=self.device, dtype=self.dtype) for _ in range(n)]
-        self.values = [torch.zeros(kv, device=self.device, dtype=self.dtype) for _ in range(n)]
+        self.keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
+        self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.position = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
+        # ring: the position each slot's key is of (-1: none yet)
+        self.slot_position = torch.full((rows + 1, slots), -1, device=self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -104,6 +115,7 @@ class MimiStream:
         for buf in (*self.state.values(), *self.keys, *self.values):
             buf[rows] = 0
         self.position[rows] = 0
+        self.slot_position[rows] = -1
 
     # ------------------------------------------------------------------ decode
 
@@ -112,6 +124,9 @@ class MimiStream:
         """The next `codes.shape[-1]` frames of each row's stream: [b, channels, samples].
         `rows` are the b slots, `codes` [b, codebooks, frames] their codes."""
         rows = rows.to(self.device)
+        if self.kv == "ring" and codes.shape[-1] > self.max_frames:  # streamed: exact
+            pieces = codes.split(self.max_frames, dim=-1)
+            return torch.cat([self.decode(rows, piece) for piece in pieces], dim=-1)
         x = self.codec.quantizer.decode(codes.to(self.device))
         if self.upsample is not None:
             x = self._transposed(self.upsample, rows, x)
@@ -164,15 +179,24 @@ class MimiStream:
         return x
 
     def _transformer(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each layer's attention over the row's window. `gather`: the window's keys and
+        values are gathered, the chunk's appended, and the last `window` written back (three
+        passes over the window a layer). `ring`: the chunk's keys and values go into ring
+        slots (position % slots), and attention reads the row's ring once, a slot masked by
+        the position it holds. The same keys either way; the softmax sums in another order."""
         from transformers.models.mimi.modeling_mimi import apply_rotary_pos_emb
 
         b, t, _ = x.shape
         start = self.position[rows]
         pos = start[:, None] + torch.arange(t, device=self.device)[None, :]  # [b, t]
         cos, sin = self.transformer.rotary_emb(x, pos)
-        # Cached slot j of a row holds position start - window + j (negative: none yet).
-        cached = start[:, None] - self.window + torch.arange(self.window, device=self.device)
-        key_pos = torch.cat([cached, pos], dim=1)  # [b, window + t]
+        if self.kv == "ring":
+            slot = pos % self.slot_position.shape[1]  # [b, t]
+            self.slot_position[rows[:, None], slot] = pos
+            key_pos = self.slot_position[rows]  # [b, slots]
+        else:  # cached slot j of a row holds position start - window + j (< 0: none yet)
+            cached = start[:, None] - self.window + torch.arange(self.window, device=self.device)
+            key_pos = torch.cat([cached, pos], dim=1)  # [b, window + t]
         gap = pos[:, :, None] - key_pos[:, None, :]
         mask = (key_pos[:, None, :] >= 0) & (gap >= 0) & (gap < self.window)
         for i, layer in enumerate(self.transformer.layers):
@@ -183,17 +207,21 @@ class MimiStream:
             k = attn.k_proj(h).view(shape).transpose(1, 2)
             v = attn.v_proj(h).view(shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys = torch.cat([self.keys[i][rows], k], dim=2)
-            values = torch.cat([self.values[i][rows], v], dim=2)
-            self.keys[i][rows] = keys[:, :, -self.window :]
-            self.values[i][rows] = values[:, :, -self.window :]
+            if self.kv == "ring":  # [b, t] slots <- [b, t, heads, dim]
+                self.keys[i][rows[:, None], :, slot] = k.transpose(1, 2)
+                self.values[i][rows[:, None], :, slot] = v.transpose(1, 2)
+                keys, values = self.keys[i][rows], self.values[i][rows]
+            else:
+                keys = torch.cat([self.keys[i][rows], k], dim=2)
+                values = torch.cat([self.values[i][rows], v], dim=2)
+                self.keys[i][rows] = keys[:, :, -self.window :]
+                self.values[i][rows] = values[:, :, -self.window :]
             groups = attn.num_heads // attn.num_key_value_heads
+            if groups > 1:
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(
-                q,
-                keys.repeat_interleave(groups, dim=1),
-                values.repeat_interleave(groups, dim=1),
-                attn_mask=mask[:, None],
-                scale=attn.scaling,
+                q, keys, values, attn_mask=mask[:, None], scale=attn.scaling
             )
             out = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.self_attn_layer_scale(out)

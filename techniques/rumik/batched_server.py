@@ -105,6 +105,7 @@ class BatchedServer:
         codec_overlap: bool = False,
         pad_prefill: bool | None = None,
         pad_codec: bool | None = None,
+        codec_kv: str = "gather",
         admit_every: int = 1,
     ):
         self.model, self.sampling = model, sampling
@@ -120,6 +121,7 @@ class BatchedServer:
                 chunk_frames=chunk_frames,
                 graphs=self.graphs_on,
                 padded=pad_codec,
+                kv=codec_kv,
             )
             if codec
             else None

@@ -65,9 +65,10 @@ class ChunkCodec:
         chunk_frames: int = 1,
         graphs: bool = False,
         padded: bool | None = None,
+        kv: str = "gather",
     ) -> None:
         self.vocab = model.vocab
-        self.stream = MimiStream(model.codec, rows)
+        self.stream = MimiStream(model.codec, rows, kv=kv, max_frames=chunk_frames)
         self.device = self.stream.device
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if overlap and cuda else None
