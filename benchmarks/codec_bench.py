@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
+from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.api.family import seed_codebooks
+from orchestrate.families.rumik.engine import tensor_bytes
 from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.presets import PRESETS
 from orchestrate.running.environment import capture
@@ -92,15 +94,7 @@ def main() -> None:
                 except Exception as exc:  # a variant that cannot run is recorded, not timed
                     errors[name] = f"{type(exc).__name__}: {exc}"[:500]
                     print(f"rows {rows} frames {frames}: {name} failed: {errors[name]}")
-            times: dict[str, list[float]] = {name: [] for name in graphs}
-            for _ in range(args.replays):
-                for name, graph in graphs.items():
-                    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times[name].append(start.elapsed_time(end))
+            times = interleaved_replay_ms(graphs, args.replays)
             ref = outs["fp32-exact"].float()
             level = {"rows": rows, "frames": frames, "replays": args.replays, "variants": {}}
             level["errors"] = errors
@@ -140,16 +134,17 @@ def count(rows: int = 4) -> dict:
     with FlopCounterMode(display=False) as counter:
         stream.decode(torch.arange(rows), codes)
     by_module = {name: sum(ops.values()) / rows for name, ops in counter.get_flop_counts().items()}
+    sha, dirty = git_state()
     doc = {
         "preset": "rumik-oss-1",
-        "git_sha": git_state()[0],
-        "dirty": git_state()[1],
+        "git_sha": sha,
+        "dirty": dirty,
         "torch": torch.__version__,
         "frame_s": FRAME_S,
         "flops_per_stream_frame": counter.get_total_flops() / rows,
         "flops_per_stream_frame_by_module": by_module,
-        "conv_state_bytes_per_stream": sum(t[0].numel() * 4 for t in stream.state.values()),
-        "kv_state_bytes_per_stream": sum(t[0].numel() * 4 for t in stream.keys + stream.values),
+        "conv_state_bytes_per_stream": tensor_bytes(*(t[0] for t in stream.state.values())),
+        "kv_state_bytes_per_stream": tensor_bytes(*(t[0] for t in stream.keys + stream.values)),
     }
     print(json.dumps({k: v for k, v in doc.items() if "by_module" not in k}, indent=1))
     return doc

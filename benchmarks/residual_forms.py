@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.running.environment import capture
+from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
 LAYERS, HIDDEN, ATTN, INTER = 36, 2048, 2048, 11008
 
@@ -64,25 +66,8 @@ def main() -> None:
         }
         graphs, outs = {}, {}
         for name, fn in forms.items():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outs[name] = fn()
-            graphs[name] = g
-        times: dict[str, list[float]] = {name: [] for name in forms}
-        for _ in range(args.replays):
-            for name, g in graphs.items():  # interleaved
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
+            graphs[name], outs[name] = warm_and_capture(fn, warmups=3)
+        times = interleaved_replay_ms(graphs, args.replays)
         ref = outs["packed"].float()
         diff = (outs["accumulate"].float() - ref).abs().max() / ref.abs().max()
         med = {name: statistics.median(t) for name, t in times.items()}

@@ -18,6 +18,7 @@ loop, differenced between two lengths so prefill, the first step and one-off wor
 
 `interpreting`, `l2_copies` and `graph_ms_per_call` serve kernel modules and their sweeps:
 Triton's CPU interpreter, and a kernel's GPU time from CUDA-graph replay beyond the L2.
+`interleaved_replay_ms` times several captured graphs against each other, replay by replay.
 
 `graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
 keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -172,3 +173,21 @@ def graph_ms_per_call(calls: Sequence[Callable[[], object]], replays: int = 10) 
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / (replays * len(calls))
+
+
+def interleaved_replay_ms(
+    graphs: Mapping[str, torch.cuda.CUDAGraph], replays: int
+) -> dict[str, list[float]]:
+    """Each graph's ms per replay, `replays` times, the graphs taking turns (so a clock or
+    thermal drift falls on all of them alike); each replay timed by CUDA events alone."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(replays):
+        for name, graph in graphs.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return times
