@@ -83,8 +83,10 @@ class MimiStream:
         self.keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.position = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
-        # ring: the position each slot's key is of (-1: none yet)
-        self.slot_position = torch.full((rows + 1, slots), -1, device=self.device)
+        # ring only: the position each slot's key is of (-1: none yet)
+        self.slot_position = (
+            torch.full((rows + 1, slots), -1, device=self.device) if kv == "ring" else None
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -115,7 +117,8 @@ class MimiStream:
         for buf in (*self.state.values(), *self.keys, *self.values):
             buf[rows] = 0
         self.position[rows] = 0
-        self.slot_position[rows] = -1
+        if self.slot_position is not None:
+            self.slot_position[rows] = -1
 
     # ------------------------------------------------------------------ decode
 
@@ -190,7 +193,7 @@ class MimiStream:
         start = self.position[rows]
         pos = start[:, None] + torch.arange(t, device=self.device)[None, :]  # [b, t]
         cos, sin = self.transformer.rotary_emb(x, pos)
-        if self.kv == "ring":
+        if self.slot_position is not None:  # ring
             slot = pos % self.slot_position.shape[1]  # [b, t]
             self.slot_position[rows[:, None], slot] = pos
             key_pos = self.slot_position[rows]  # [b, slots]
