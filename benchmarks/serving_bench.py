@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -57,13 +58,15 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
 PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
 CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
+PROJECTIONS = ("bf16", "fp8")  # --projections: fp8's paths are suffixed _fp8 (APPROXIMATE)
 
 
-def path_name(attention: str, codec: str) -> str:
-    return PATHS[attention] + ("_overlap" if codec == "overlap" else "")
+def path_name(attention: str, codec: str, projections: str = "bf16") -> str:
+    overlap = "_overlap" if codec == "overlap" else ""
+    return PATHS[attention] + overlap + ("_fp8" if projections == "fp8" else "")
 
 
-ALL_PATHS = [path_name(a, c) for c in CODECS for a in PATHS]
+ALL_PATHS = [path_name(a, c, p) for p in PROJECTIONS for c in CODECS for a in PATHS]
 
 NOT_BUILT = [
     "this curve through the runner: `orchestrate run` serves one load per job through "
@@ -105,6 +108,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "the step returns), overlap (a side CUDA stream behind the next step; paths "
         "suffixed _overlap)",
     )
+    ap.add_argument(
+        "--projections",
+        default="bf16",
+        help="the step's projections, comma-separated, each a path per attention and codec: "
+        "bf16 (the model's own weights), fp8 (fp8_projections, APPROXIMATE, Hopper, emulated "
+        "on the CPU; paths suffixed _fp8, their logits' divergence from bf16 recorded)",
+    )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument(
         "--codec-kv",
@@ -141,6 +151,49 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def hopper(device: str) -> bool:
+    if device != "cuda":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+FP8_VS_BF16 = (
+    "one stream's prompt, then the tokens the bf16 step draws greedily, teacher-forced "
+    "through the bf16 and the fp8 step: per step, the codebook logits' cosine, their largest "
+    "|difference| over the bf16 logits' largest |value|, and whether the argmax agrees "
+    "(random weights: a numeric change, not a quality judgement)"
+)
+
+
+@torch.inference_mode()
+def fp8_divergence(model, fp8, prompt: list[int], sampling, steps: int = 32) -> dict[str, Any]:
+    """What fp8 projections change in the step's logits at this shape (FP8_VS_BF16)."""
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    greedy = sampling.model_copy(update={"top_k": 1})
+    capacity = len(prompt) + steps + 1
+    ref = BatchedDecoder(model, 1, capacity, greedy)
+    ref.prefill([0], [prompt], [0], [False])
+    tokens = [[int(ref.step(1, capacity)[0]) for _ in range(steps)]]
+    ref = BatchedDecoder(model, 1, capacity, greedy)  # a fresh cache for teacher forcing
+    bf16 = [lg[0].float() for lg, _ in ref.teacher_forced([prompt], tokens)]
+    del ref
+    dec = BatchedDecoder(model, 1, capacity, greedy, projections=fp8)
+    ours = [lg[0].float() for lg, _ in dec.teacher_forced([prompt], tokens)]
+    pairs = list(zip(bf16, ours, strict=True))
+    cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in pairs]
+    rel = [float((a - b).abs().max() / a.abs().max()) for a, b in pairs]
+    agree = [bool(a.argmax() == b.argmax()) for a, b in pairs]
+    return {
+        "steps": steps,
+        "cosine_min": min(cos),
+        "cosine_median": statistics.median(cos),
+        "max_abs_diff_over_max_abs": max(rel),
+        "argmax_agreement": sum(agree) / len(agree),
+        "definition": FP8_VS_BF16,
+    }
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -174,6 +227,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
     if not args.codec or any(c not in CODECS for c in args.codec.split(",")):
         raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
+    projections = args.projections.split(",")
+    if not args.projections or any(p not in PROJECTIONS for p in projections):
+        raise LoadError(f"--projections {args.projections!r}: each one of {', '.join(PROJECTIONS)}")
+    if "fp8" in projections and cuda and not hopper(args.device):  # the CPU emulates it
+        raise LoadError("--projections fp8 on CUDA needs a Hopper GPU (sm_90: FP8 GEMM)")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -317,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
     from orchestrate.techniques.rumik.batched_server import PHASES, BatchedServer
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Packed
 
     cuda = args.device == "cuda"
     preset = args.model or ("rumik-oss-1" if cuda else "tiny")
@@ -369,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                 "order": "each path's server is built, warmed up and run over every level, "
                 "then freed, before the next path's (one cache in GPU memory at a time)",
             },
+            "projections": {
+                "bf16": "the model's own bf16 weights (q,k,v,gate,up packed; o and down "
+                "added into the residual)",
+                "fp8": "APPROXIMATE: techniques/rumik/fp8_projections.py, e4m3 weights with "
+                "a scale per output channel, activations per row, torch._scaled_mm",
+            },
         },
         "baseline_b": {
             "what": "transformers generate(), StaticCache reused per batch size, auto "
@@ -394,9 +459,17 @@ def main(argv: list[str] | None = None) -> int:
         doc["batch1"] = single_stream(model, args.batch1_vs, prompt, frames, sampling, args)
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
-    runs = [(a, c) for c in args.codec.split(",") for a in args.attention.split(",")]
-    for which, (attention, codec) in enumerate(runs):  # one server at a time: one cache
-        path = path_name(attention, codec)
+    runs = [
+        (a, c, p)
+        for p in args.projections.split(",")
+        for c in args.codec.split(",")
+        for a in args.attention.split(",")
+    ]
+    for which, (attention, codec, proj) in enumerate(runs):  # one server at a time: one cache
+        path = path_name(attention, codec, proj)
+        fp8 = Fp8Packed(model) if proj == "fp8" else None
+        if fp8 is not None:
+            doc["ours"].setdefault("fp8_vs_bf16", fp8_divergence(model, fp8, prompt, sampling))
         server = BatchedServer(
             model,
             rows,
@@ -410,13 +483,14 @@ def main(argv: list[str] | None = None) -> int:
             codec_overlap=codec == "overlap",
             admit_every=args.admit_every,
             codec_kv=args.codec_kv,
+            projections=fp8,
         )
+        del fp8  # the server holds it; freed with it
+        about = {"attention": attention, "codec": codec, "projections": proj}
         mine = (
             doc["ours"]
             .setdefault("paths", {})
-            .setdefault(
-                path, {"attention": attention, "codec": codec, "phases": list(server.phases)}
-            )
+            .setdefault(path, {**about, "phases": list(server.phases)})
         )
         t0 = time.perf_counter()
         mine["graphs_captured"] = server.warm_up()
@@ -632,6 +706,8 @@ def plot(src: Path, figure: str | None) -> int:
         ("ours_triton", "^-", "C2"),
         ("ours_overlap", "D-", "C4"),
         ("ours_triton_overlap", "v-", "C5"),
+        ("ours_triton_fp8", "P-", "C3"),
+        ("ours_triton_overlap_fp8", "X-", "C6"),
         ("baseline_b", "s--", "C1"),
     )
     for path, style, color in paths:

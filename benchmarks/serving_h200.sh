@@ -33,7 +33,7 @@ fi
     --out "$OUT/codec.json" 2>&1 | tee "$OUT/codec.log"
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
-    --admit-every "${ADMIT_EVERY:-1}" \
+    --admit-every "${ADMIT_EVERY:-1}" --projections "${PROJECTIONS:-bf16}" \
     --levels "${LEVELS:-1,32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
     ${BATCH1_VS:+--batch1-vs "$BATCH1_VS"} \
     --baseline-levels 32 --time-budget 250 \

@@ -22,8 +22,10 @@ HOST_WALL, GPU_BUSY = "ms_per_token", "gpu_busy_ms_per_step"  # a step is a toke
 
 def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
     """This family's usable techniques, as proposers read them. An exploration compares
-    per-utterance speed, so techniques that serve many streams (serving workloads only)
-    are not offered."""
+    per-utterance speed, so techniques that serve many streams (serving workloads only),
+    and those that only such a technique reads (fp8_projections), are not offered."""
+    techniques = catalogue().techniques
+    serving = {n for n, cls in techniques.items() if cls.serves_streams}
     return {
         name: {
             "summary": cls.summary,
@@ -37,8 +39,8 @@ def technique_catalogue(family: str) -> dict[str, dict[str, Any]]:
             "reduces": list(cls.reduces),
             "params_schema": cls.Params.model_json_schema(),
         }
-        for name, cls in sorted(catalogue().techniques.items())
-        if cls.family == family and not cls.serves_streams
+        for name, cls in sorted(techniques.items())
+        if cls.family == family and name not in serving and not serving & set(cls.after)
     }
 
 

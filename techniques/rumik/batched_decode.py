@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrate.api.config import SamplingConfig
-from orchestrate.families.rumik.engine import layer_norm, stock_engine, tensor_bytes
+from orchestrate.families.rumik.engine import Projections, layer_norm, stock_engine, tensor_bytes
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
@@ -79,14 +79,17 @@ class BatchedDecoder:
         sampling: SamplingConfig,
         attention: str = "sdpa",
         head: str = "codebook",
+        projections: Projections | None = None,
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         # q,k,v,gate,up: the model's own packed tensor; o and down: its own weights, summed
-        # into the residual by `_residual` (no copy of either: the cache gets the room)
-        self.proj = Packed(stock_engine(model), fuse_output=False)
+        # into the residual by `_residual` (no copy of either: the cache gets the room).
+        # `projections`: a technique's that serves many rows (fp8_projections) instead.
+        self.own_proj = projections is None
+        self.proj = projections or Packed(stock_engine(model), fuse_output=False)
         # codebook: per row, the rows of codebook (count % 8) + end (APPROXIMATE); audio:
         # every audio unit + end, stock's distribution. Both compute the same matmul (all
         # 8 codebooks' rows); they differ in the columns a row samples from.
@@ -132,21 +135,30 @@ class BatchedDecoder:
     def memory(self) -> dict[str, int]:
         """Bytes this decoder holds, by what they are: `weights_read`, every weight its step
         reads; `weights_copied`, the part of those not in a tensor the model itself holds
-        (the head's gathered rows: small); `cache`, its K/V rows."""
+        (the head's gathered rows: small; FP8 projections: theirs); `weights_unread`, the
+        model's weights its step never reads (held for stock: the full vocabulary head;
+        with FP8 projections, their bf16 originals); `cache`, its K/V rows."""
         model = self.model
-        reads = [*self.proj.w_in, *self.proj.w_o, *self.proj.w_down, self.embed, *self.norms]
+        reads = [*self._projection_tensors(), self.embed, *self.norms]
         reads += [self.final_norm, self.head_w, *model.stop_head.parameters()]
-        own = {
-            p.untyped_storage().data_ptr()
+        storages = {  # the model's weights by storage: views of one tensor counted once
+            p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
             for module in (model.lm, model.stop_head)
             for p in module.parameters()
         }
-        copied = [t for t in reads if t.untyped_storage().data_ptr() not in own]
+        read = {t.untyped_storage().data_ptr() for t in reads}
+        copied = [t for t in reads if t.untyped_storage().data_ptr() not in storages]
         return {
             "weights_read": tensor_bytes(*reads),
             "weights_copied": tensor_bytes(*copied),
+            "weights_unread": sum(n for ptr, n in storages.items() if ptr not in read),
             "cache": tensor_bytes(self.k, self.v),
         }
+
+    def _projection_tensors(self) -> list[torch.Tensor]:
+        if self.own_proj:
+            return [*self.proj.w_in, *self.proj.w_o, *self.proj.w_down]
+        return self.proj.tensors()
 
     # ------------------------------------------------------------------ the layers
 
@@ -172,7 +184,10 @@ class BatchedDecoder:
     ) -> torch.Tensor:
         """x + o_proj(attn) + down_proj(act) as two GEMMs that add into their input (the
         BLAS epilogue's C): the model's own o_proj and down_proj weights, no concatenated
-        copy of them and no concatenation of [attn, act] per step."""
+        copy of them and no concatenation of [attn, act] per step. Other projections add
+        their own way."""
+        if not self.own_proj:
+            return self.proj.residual(i, x, attn, act)
         w_o, w_down = self.proj.w_o[i], self.proj.w_down[i]
         y = torch.addmm(x.flatten(0, -2), attn.flatten(0, -2), w_o.t())
         return torch.addmm(y, act.flatten(0, -2), w_down.t()).view(x.shape)

@@ -35,6 +35,7 @@ import torch
 
 from orchestrate.api.config import SamplingConfig
 from orchestrate.api.family import StreamRequest
+from orchestrate.families.rumik.engine import Projections
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
@@ -107,9 +108,12 @@ class BatchedServer:
         pad_codec: bool | None = None,
         codec_kv: str = "gather",
         admit_every: int = 1,
+        projections: Projections | None = None,
     ):
         self.model, self.sampling = model, sampling
-        self.dec = BatchedDecoder(model, rows, max_seq_len, sampling, attention, head)
+        self.dec = BatchedDecoder(
+            model, rows, max_seq_len, sampling, attention, head, projections=projections
+        )
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.chunk_frames = chunk_frames

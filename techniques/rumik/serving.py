@@ -114,6 +114,10 @@ class BatchedDecode(Technique):
                 head=params.head,
                 codec_overlap=params.codec == "overlap",
                 admit_every=params.admit_every,
+                # a projections technique that serves many rows (fp8_projections), if any
+                projections=engine.projections
+                if getattr(engine.projections, "serves_rows", False)
+                else None,
             )
 
         engine.server = build

@@ -1,0 +1,193 @@
+"""fp8_projections: FP8 (e4m3) projections for batched serving. What it rounds, how far its
+logits move, that a row stays independent of its neighbours, what the server then holds,
+and where the stack is refused. CPU (emulated: the same rounding, float32 matmuls) and GPU
+(torch._scaled_mm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orchestrate.api.config import ModelSpec, SamplingConfig, StackSpec, TechniqueRef
+from orchestrate.api.registry import StackError, build_stack, get_family
+from orchestrate.api.technique import DeviceCaps
+from orchestrate.families.rumik.engine import tensor_bytes
+from orchestrate.families.rumik.model import input_projections
+from orchestrate.families.rumik.vocab import build_prompt
+from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+from orchestrate.techniques.rumik.batched_server import BatchedServer, ServeRequest
+from orchestrate.techniques.rumik.fp8_projections import (
+    FP8_MAX,
+    Fp8Packed,
+    Fp8Weight,
+    fp8_linear,
+    quantize_rows,
+)
+
+FAMILY = get_family("rumik")
+GREEDY = SamplingConfig(top_k=1)
+TOPK = SamplingConfig(top_k=8, temperature=0.9)
+TEXTS = ["Hello there.", "A longer sentence to make a longer prompt.", "Short."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return FAMILY.build_model(ModelSpec(preset="tiny", device="cpu", dtype="float32"))
+
+
+def prompt(model, text: str) -> list[int]:
+    return model.encode_prompt(build_prompt(text, "Ira", "neutral"))
+
+
+def greedy_tokens(model, ids: list[int], steps: int) -> list[int]:
+    dec = BatchedDecoder(model, 1, len(ids) + steps + 1, GREEDY)
+    dec.prefill([0], [ids], [0], [False])
+    return [int(dec.step(1, dec.capacity)[0]) for _ in range(steps)]
+
+
+def test_each_value_is_rounded_within_e4m3s_step_under_its_rows_scale():
+    """3 mantissa bits: a normal value moves by at most 2**-4 of itself; below e4m3's
+    smallest normal (2**-6 of the scale) by at most half its subnormal step (2**-10). A row
+    of zeros stays zeros and a huge row does not overflow into NaN."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 256) * torch.logspace(-4, 4, 6)[:, None]
+    x[0] = 0.0
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    back = q.float() * scale
+    assert torch.isfinite(back).all() and (back[0] == 0).all()
+    bound = x.abs() * 2**-4 + scale * 2**-10
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=1e-6)  # peak -> 448
+    assert (q.float().abs().amax(-1)[1:] == FP8_MAX).all()
+    assert (back != x).any()  # it does round: not a pass-through
+
+
+def test_an_fp8_weight_has_one_scale_per_output_channel():
+    w = torch.randn(48, 32) * torch.linspace(0.01, 10, 48)[:, None]
+    fw = Fp8Weight.of(w)
+    assert fw.scale.shape == (1, 48)
+    assert torch.allclose(fw.scale[0], w.abs().amax(-1) / FP8_MAX)
+    x = torch.randn(5, 32)
+    y = fp8_linear(x, fw, emulate=True)
+    rel = (y - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert 0 < rel < 0.06, rel  # a few percent: every operand rounded to 3 mantissa bits
+
+
+def test_fp8_logits_stay_near_bf16s_and_differ_from_them(model):
+    """Teacher-forced on the tokens the exact step draws: every step's codebook logits
+    keep a cosine above 0.99 with the exact step's, and are not equal to them."""
+    ids = prompt(model, TEXTS[1])
+    tokens = [greedy_tokens(model, ids, 24)]
+    exact = BatchedDecoder(model, 1, 128, GREEDY).teacher_forced([ids], tokens)
+    fp8 = BatchedDecoder(model, 1, 128, GREEDY, projections=Fp8Packed(model))
+    ours = fp8.teacher_forced([ids], tokens)
+    for (a, _), (b, _) in zip(exact, ours, strict=True):
+        assert F.cosine_similarity(a[0], b[0], dim=0) > 0.99
+    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(exact, ours, strict=True))
+
+
+def test_a_rows_fp8_tokens_do_not_depend_on_its_neighbours(model):
+    """Activations are scaled per row, so a row's products never see another row's values:
+    each stream's tokens at batch 3 equal its tokens alone (seeded top-k)."""
+    proj = Fp8Packed(model)
+    reqs = [ServeRequest(k, prompt(model, t), 3, seed=5 + k) for k, t in enumerate(TEXTS)]
+
+    def serve(rows: int, batch: list[ServeRequest]) -> dict[int, list[int]]:
+        server = BatchedServer(model, rows, 256, TOPK, graphs=False, codec=False, projections=proj)
+        waiting = list(batch)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        return server.tokens
+
+    together = serve(3, reqs)
+    for r in reqs:
+        assert serve(1, [r])[r.key] == together[r.key]
+
+
+def test_the_server_counts_fp8_weights_as_read_and_the_bf16_originals_as_unread(model):
+    bf16 = BatchedServer(model, 2, 64, GREEDY, graphs=False, codec=False).memory()
+    proj = Fp8Packed(model)
+    fp8 = BatchedServer(model, 2, 64, GREEDY, graphs=False, codec=False, projections=proj).memory()
+    layers = model.lm.model.layers
+    originals = tensor_bytes(
+        *(p.weight for layer in layers for p in input_projections(layer)),
+        *(layer.self_attn.o_proj.weight for layer in layers),
+        *(layer.mlp.down_proj.weight for layer in layers),
+    )
+    assert fp8["weights_unread"] - bf16["weights_unread"] == originals
+    assert fp8["weights_read"] == bf16["weights_read"] - originals + proj.weight_bytes()
+    assert fp8["weights_copied"] - bf16["weights_copied"] == proj.weight_bytes()
+    assert proj.weight_bytes() < originals / 3  # 1 byte a weight against float32's 4
+
+
+def fp8_stack(*names: str) -> StackSpec:
+    params = {"batched_decode": {"rows": 4}}
+    refs = [TechniqueRef(name=n, params=params.get(n, {})) for n in names]
+    return StackSpec(name="fp8-serving", family="rumik", techniques=refs)
+
+
+def test_fp8_projections_is_refused_where_nothing_would_read_it_and_on_the_cpu():
+    with pytest.raises(StackError, match="needs 'batched_decode' applied before it"):
+        build_stack(fp8_stack("fp8_projections"))
+    with pytest.raises(StackError, match="needs 'batched_decode' applied before it"):
+        build_stack(fp8_stack("fp8_projections", "batched_decode"))
+    with pytest.raises(StackError, match="cannot run here: needs a CUDA device"):
+        build_stack(fp8_stack("batched_decode", "fp8_projections"), DeviceCaps("cpu"), strict=True)
+    hopper = DeviceCaps("cuda", (9, 0), "H200")
+    assert build_stack(fp8_stack("batched_decode", "fp8_projections"), hopper, strict=True)
+    ampere = DeviceCaps("cuda", (8, 0), "A100")
+    with pytest.raises(StackError, match="needs a Hopper GPU"):
+        build_stack(fp8_stack("batched_decode", "fp8_projections"), ampere, strict=True)
+
+
+def test_the_batched_server_reads_the_fp8_slot(model):
+    """The stack applied (requirements unchecked, so the CPU emulates): the engine's server
+    steps through the FP8 projections, not its own bf16 ones."""
+    built = build_stack(fp8_stack("batched_decode", "fp8_projections"))
+    engine = FAMILY.build_engine(model, built)
+    server = engine.server(engine, 64, GREEDY, 1, rows=2)
+    assert isinstance(server.dec.proj, Fp8Packed) and server.dec.proj is engine.projections
+    plain = FAMILY.build_engine(model, build_stack(fp8_stack("batched_decode")))
+    assert not isinstance(plain.server(plain, 64, GREEDY, 1, rows=2).dec.proj, Fp8Packed)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_gives_the_emulated_fp8_products_on_gpu():
+    """cuBLASLt's FP8 GEMM against float32 matmuls of the same dequantized operands, at the
+    real model's projection shapes: only the summation order and bf16 output differ."""
+    torch.manual_seed(0)
+    for m, k, n in ((1, 2048, 25088), (64, 2048, 2048), (512, 11008, 2048)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = Fp8Weight.of(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        ours, ref = fp8_linear(x, w, emulate=False), fp8_linear(x.float(), w, emulate=True)
+        assert ours.dtype == torch.bfloat16
+        err = (ours.float() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-2, (m, k, n, float(err))
+
+
+@pytest.mark.gpu
+def test_fp8_serving_on_gpu_stays_near_bf16_and_near_its_emulation():
+    gpu = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="bfloat16"))
+    ids = prompt(gpu, TEXTS[1])
+    tokens = [greedy_tokens(gpu, ids, 24)]
+    exact = BatchedDecoder(gpu, 1, 128, GREEDY).teacher_forced([ids], tokens)
+    runs = {}
+    for emulate in (False, True):
+        dec = BatchedDecoder(gpu, 1, 128, GREEDY, projections=Fp8Packed(gpu, emulate=emulate))
+        runs[emulate] = dec.teacher_forced([ids], tokens)
+    for (a, _), (b, _), (c, _) in zip(exact, runs[False], runs[True], strict=True):
+        assert F.cosine_similarity(a[0].float(), b[0].float(), dim=0) > 0.98
+        assert F.cosine_similarity(b[0].float(), c[0].float(), dim=0) > 0.999
+
+
+def test_explorations_are_not_offered_what_only_a_server_reads():
+    """An exploration compares one utterance at a time: neither the batched server nor the
+    FP8 projections only it reads are in its catalogue."""
+    from orchestrate.explore.state import technique_catalogue
+
+    offered = technique_catalogue("rumik")
+    assert "packed_projections" in offered
+    assert "fp8_projections" not in offered and "batched_decode" not in offered
