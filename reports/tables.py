@@ -307,7 +307,7 @@ def table_note(stacks: list[dict[str, Any]]) -> str:
 PHASE_KEY, MEMORY_KEY = "serve.phase_ms_per_step.", "serve.memory_bytes."
 # The order a step runs its phases in (running/serving.py's phase names); others follow.
 PHASE_ORDER = ("prefill", "step", "codec", "codec_launch", "codec_wait", "host", "other")
-MEMORY_ORDER = ("weights_read", "weights_copied", "cache")
+MEMORY_ORDER = ("weights_read", "weights_copied", "weights_unread", "cache")
 
 
 def _ordered(keys: list[str], prefix: str, order: tuple[str, ...]) -> list[str]:

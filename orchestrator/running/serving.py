@@ -49,7 +49,8 @@ DEFINITIONS = {
     "time outside them (the driver's loop, waiting for arrivals)",
     "memory_bytes": "bytes the server holds, where it accounts for them: weights_read (every "
     "weight its step reads), weights_copied (the part of those held beside the model's own "
-    "tensors, not in them), cache (its K/V rows)",
+    "tensors, not in them), weights_unread (the model's weights its step never reads, held "
+    "for other paths), cache (its K/V rows)",
 }
 
 
