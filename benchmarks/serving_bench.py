@@ -59,14 +59,18 @@ CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
 PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
 CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
 PROJECTIONS = ("bf16", "fp8")  # --projections: fp8's paths are suffixed _fp8 (APPROXIMATE)
+KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXIMATE)
 
 
-def path_name(attention: str, codec: str, projections: str = "bf16") -> str:
+def path_name(attention: str, codec: str, projections: str = "bf16", kv: str = "model") -> str:
     overlap = "_overlap" if codec == "overlap" else ""
-    return PATHS[attention] + overlap + ("_fp8" if projections == "fp8" else "")
+    fp8 = ("_fp8" if projections == "fp8" else "") + ("_kv8" if kv == "fp8" else "")
+    return PATHS[attention] + overlap + fp8
 
 
-ALL_PATHS = [path_name(a, c, p) for p in PROJECTIONS for c in CODECS for a in PATHS]
+ALL_PATHS = [
+    path_name(a, c, p, kv) for kv in KVS for p in PROJECTIONS for c in CODECS for a in PATHS
+]
 
 NOT_BUILT = [
     "this curve through the runner: `orchestrate run` serves one load per job through "
@@ -115,6 +119,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "bf16 (the model's own weights), fp8 (fp8_projections, APPROXIMATE, Hopper, emulated "
         "on the CPU; paths suffixed _fp8, their logits' divergence from bf16 recorded)",
     )
+    ap.add_argument(
+        "--kv",
+        default="model",
+        help="the cache, comma-separated, each a path per attention, codec and projections: "
+        "model (the model's dtype), fp8 (e4m3 with a scale per vector, APPROXIMATE, needs "
+        "--attention triton; paths suffixed _kv8, their logits' divergence recorded)",
+    )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument(
         "--codec-kv",
@@ -157,28 +168,31 @@ def hopper(device: str) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-FP8_VS_BF16 = (
-    "one stream's prompt, then the tokens the bf16 step draws greedily, teacher-forced "
-    "through the bf16 and the fp8 step: per step, the codebook logits' cosine, their largest "
-    "|difference| over the bf16 logits' largest |value|, and whether the argmax agrees "
-    "(random weights: a numeric change, not a quality judgement)"
+VS_EXACT = (
+    "an APPROXIMATE path against the same attention with the model's own weights and cache: "
+    "one stream's prompt, then the tokens the exact step draws greedily, teacher-forced "
+    "through both: per step, the codebook logits' cosine, their largest |difference| over "
+    "the exact logits' largest |value|, and whether the argmax agrees (random weights: a "
+    "numeric change, not a quality judgement)"
 )
 
 
 @torch.inference_mode()
-def fp8_divergence(model, fp8, prompt: list[int], sampling, steps: int = 32) -> dict[str, Any]:
-    """What fp8 projections change in the step's logits at this shape (FP8_VS_BF16)."""
+def divergence(
+    model, prompt: list[int], sampling, attention: str, projections, kv: str, steps: int = 32
+) -> dict[str, Any]:
+    """What FP8 projections and/or an FP8 cache change in the step's logits (VS_EXACT)."""
     from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 
     greedy = sampling.model_copy(update={"top_k": 1})
     capacity = len(prompt) + steps + 1
-    ref = BatchedDecoder(model, 1, capacity, greedy)
+    ref = BatchedDecoder(model, 1, capacity, greedy, attention)
     ref.prefill([0], [prompt], [0], [False])
     tokens = [[int(ref.step(1, capacity)[0]) for _ in range(steps)]]
-    ref = BatchedDecoder(model, 1, capacity, greedy)  # a fresh cache for teacher forcing
+    ref = BatchedDecoder(model, 1, capacity, greedy, attention)  # a fresh cache to teacher-force
     bf16 = [lg[0].float() for lg, _ in ref.teacher_forced([prompt], tokens)]
     del ref
-    dec = BatchedDecoder(model, 1, capacity, greedy, projections=fp8)
+    dec = BatchedDecoder(model, 1, capacity, greedy, attention, projections=projections, kv=kv)
     ours = [lg[0].float() for lg, _ in dec.teacher_forced([prompt], tokens)]
     pairs = list(zip(bf16, ours, strict=True))
     cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in pairs]
@@ -190,7 +204,7 @@ def fp8_divergence(model, fp8, prompt: list[int], sampling, steps: int = 32) -> 
         "cosine_median": statistics.median(cos),
         "max_abs_diff_over_max_abs": max(rel),
         "argmax_agreement": sum(agree) / len(agree),
-        "definition": FP8_VS_BF16,
+        "definition": VS_EXACT,
     }
 
 
@@ -232,6 +246,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--projections {args.projections!r}: each one of {', '.join(PROJECTIONS)}")
     if "fp8" in projections and cuda and not hopper(args.device):  # the CPU emulates it
         raise LoadError("--projections fp8 on CUDA needs a Hopper GPU (sm_90: FP8 GEMM)")
+    kvs = args.kv.split(",")
+    if not args.kv or any(k not in KVS for k in kvs):
+        raise LoadError(f"--kv {args.kv!r}: each one of {', '.join(KVS)}")
+    if "fp8" in kvs and "sdpa" in args.attention.split(","):
+        raise LoadError("--kv fp8 needs --attention triton alone (its kernel reads the scales)")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -431,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             "projections": {
                 "bf16": "the model's own bf16 weights (q,k,v,gate,up packed; o and down "
                 "added into the residual)",
+                "kv fp8": "APPROXIMATE: the cache in e4m3, each position's key and value "
+                "vector per kv head with its own float32 scale (batched_decode kv: fp8)",
                 "fp8": "APPROXIMATE: techniques/rumik/fp8_projections.py, e4m3 weights with "
                 "a scale per output channel, activations per row, torch._scaled_mm",
             },
@@ -460,16 +481,18 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p)
+        (a, c, p, kv)
+        for kv in args.kv.split(",")
         for p in args.projections.split(",")
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj) in enumerate(runs):  # one server at a time: one cache
-        path = path_name(attention, codec, proj)
+    for which, (attention, codec, proj, kv) in enumerate(runs):  # one server at a time
+        path = path_name(attention, codec, proj, kv)
         fp8 = Fp8Packed(model) if proj == "fp8" else None
-        if fp8 is not None:
-            doc["ours"].setdefault("fp8_vs_bf16", fp8_divergence(model, fp8, prompt, sampling))
+        vs_exact = None
+        if fp8 is not None or kv == "fp8":
+            vs_exact = divergence(model, prompt, sampling, attention, fp8, kv)
         server = BatchedServer(
             model,
             rows,
@@ -484,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
             admit_every=args.admit_every,
             codec_kv=args.codec_kv,
             projections=fp8,
+            kv=kv,
         )
         del fp8  # the server holds it; freed with it
-        about = {"attention": attention, "codec": codec, "projections": proj}
+        about = {"attention": attention, "codec": codec, "projections": proj, "kv": kv}
+        if vs_exact is not None:
+            about["vs_exact"] = vs_exact
         mine = (
             doc["ours"]
             .setdefault("paths", {})
@@ -708,6 +734,8 @@ def plot(src: Path, figure: str | None) -> int:
         ("ours_triton_overlap", "v-", "C5"),
         ("ours_triton_fp8", "P-", "C3"),
         ("ours_triton_overlap_fp8", "X-", "C6"),
+        ("ours_triton_overlap_kv8", "*-", "C7"),
+        ("ours_triton_overlap_fp8_kv8", "h-", "C8"),
         ("baseline_b", "s--", "C1"),
     )
     for path, style, color in paths:

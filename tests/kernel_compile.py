@@ -29,7 +29,7 @@ import torch
 TARGET = ("cuda", 90, 32)  # the H200: sm_90, 32-thread warps
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
           torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-          torch.bool: "i1"}  # fmt: skip
+          torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 _OPTIONS = ("num_warps", "num_stages")
 
 

@@ -191,3 +191,18 @@ def test_explorations_are_not_offered_what_only_a_server_reads():
     offered = technique_catalogue("rumik")
     assert "packed_projections" in offered
     assert "fp8_projections" not in offered and "batched_decode" not in offered
+
+
+def test_an_fp8_cache_without_the_kernel_that_reads_its_scales_is_refused_at_build():
+    spec = StackSpec(
+        name="kv8",
+        family="rumik",
+        techniques=[TechniqueRef(name="batched_decode", params={"rows": 4, "kv": "fp8"})],
+    )
+    with pytest.raises(StackError, match="kv 'fp8' needs attention 'triton'"):
+        build_stack(spec)
+    triton = spec.techniques[0].params | {"attention": "triton"}
+    spec = spec.model_copy(
+        update={"techniques": [TechniqueRef(name="batched_decode", params=triton)]}
+    )
+    assert build_stack(spec).techniques[0].params.kv == "fp8"

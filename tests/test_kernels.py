@@ -206,11 +206,7 @@ CPU_POINTS = [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (4, 
 GEMV_GRID = (
     [(*point, *case) for case in GEMV_CASES for point in M_DTYPES]
     if CUDA
-    else [
-        (*CPU_POINTS[(i + j) % 4], *case)
-        for i, case in enumerate(GEMV_CASES)
-        for j in (0, 2)
-    ]
+    else [(*CPU_POINTS[(i + j) % 4], *case) for i, case in enumerate(GEMV_CASES) for j in (0, 2)]
 )
 
 
@@ -245,8 +241,11 @@ def test_int8_linear_vector_input_and_default_config() -> None:
     assert rel_err(out, gemv.int8_linear_ref(x[None], q, scale)[0]) < tol(torch.bfloat16)
 
 
-@pytest.mark.skipif(CUDA, reason="compiled, the last reduction follows the register layout: "
-                    "test_gpu_tma_gemv_real_shapes_in_graph_with_pdl bounds the difference")
+@pytest.mark.skipif(
+    CUDA,
+    reason="compiled, the last reduction follows the register layout: "
+    "test_gpu_tma_gemv_real_shapes_in_graph_with_pdl bounds the difference",
+)
 @pytest.mark.parametrize("n,k,split_k", [(64, 256, 1), (72, 208, 1), (40, 400, 3)])
 def test_int8_tma_gemv_equals_the_pointer_kernel(n: int, k: int, split_k: int) -> None:
     """The same products summed in the same order: under the interpreter the TMA kernel's
@@ -484,6 +483,75 @@ def test_batched_decode_attention_rows_do_not_see_each_other() -> None:
     lengths[2] = 3
     after = battn.batched_decode_attention(q, k, v, lengths, block_s=16)
     assert torch.equal(before[1], after[1]) and not torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_attention_over_an_fp8_cache_is_attention_over_its_dequantized_values(
+    dtype: torch.dtype,
+) -> None:
+    """An e4m3 cache with a scale per position and KV head: each row against the reference
+    over the dequantized cache (the scales folded into scores and weights are the same
+    sums), an empty row zeros, and the answer near the unquantized cache's, not equal."""
+    from orchestrate.techniques.rumik.fp8_projections import quantize_rows
+
+    b = len(ROW_LENGTHS)
+    q = randn(b, 8, 128, dtype=dtype)
+    k, v = randn(b, 2, 160, 128, dtype=dtype), randn(b, 2, 160, 128, dtype=dtype)
+    (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+    ks, vs = ks[..., 0].contiguous(), vs[..., 0].contiguous()
+    lengths = torch.tensor(ROW_LENGTHS, device=DEVICE)
+    for window, splits in ((0, 1), (48, 3)):
+        out = battn.batched_decode_attention(
+            q, k8, v8, lengths, window=window, num_splits=splits, block_s=16,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        ref = battn.batched_decode_attention_ref(
+            q, k8, v8, ROW_LENGTHS, window=window, k_scale=ks, v_scale=vs
+        )
+        exact = battn.batched_decode_attention_ref(q, k, v, ROW_LENGTHS, window=window)
+        assert float(out[0].abs().max()) == 0.0
+        for r in range(1, b):
+            assert rel_err(out[r], ref[r]) < tol(dtype), (window, r)
+            assert 0 < rel_err(out[r], exact[r]) < 0.1, (window, r)
+    with pytest.raises(ValueError, match="give both k_scale and v_scale"):
+        battn.batched_decode_attention(q, k8, v8, lengths, k_scale=ks)
+    with pytest.raises(ValueError, match="k_scale must be float32"):
+        battn.batched_decode_attention(q, k8, v8, lengths, k_scale=ks[:, :, :64], v_scale=vs)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        battn.batched_decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs)
+
+
+def test_an_fp8_cache_keeps_the_serving_steps_logits_near_the_exact_caches() -> None:
+    """BatchedDecoder with kv='fp8' teacher-forced beside kv='model' (triton attention,
+    three rows, prompts past the sliding window): every step's logits keep a cosine above
+    0.99 with the exact cache's, and differ from them; the cache holds e4m3 and scales."""
+    import torch.nn.functional as F
+
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    long = " ".join(["A longer sentence, to reach well past the sliding window."] * 3)
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long, "Ok."]]
+    greedy = SamplingConfig(top_k=1)
+    ids = [model.vocab.codebook_ids(i % 8) for i in range(4)]
+    tokens = [[int(ids[i][3 * r + i]) for i in range(4)] for r in range(3)]
+    runs = {}
+    for kv in ("model", "fp8"):
+        dec = BatchedDecoder(model, 3, 256, greedy, "triton", kv=kv)
+        with torch.inference_mode():
+            runs[kv] = dec.teacher_forced(prompts, tokens)
+    assert dec.k.dtype == torch.float8_e4m3fn and dec.k_scale.shape == dec.k.shape[:-1]
+    for (a, _), (c, _) in zip(runs["model"], runs["fp8"], strict=True):
+        assert (F.cosine_similarity(a, c, dim=-1) > 0.99).all()
+    pairs = zip(runs["model"], runs["fp8"], strict=True)
+    assert any(not torch.equal(a, c) for (a, _), (c, _) in pairs)
+    with pytest.raises(ValueError, match="kv 'fp8' needs attention 'triton'"):
+        BatchedDecoder(model, 3, 256, greedy, "sdpa", kv="fp8")
 
 
 def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:

@@ -39,6 +39,7 @@ from orchestrate.families.rumik.engine import Projections, layer_norm, stock_eng
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
+from orchestrate.techniques.rumik.fp8_projections import FP8, quantize_rows
 from orchestrate.techniques.rumik.packed_projections import Packed
 from orchestrate.techniques.rumik.static_kv_cache import rotate_half_pairs
 
@@ -64,6 +65,7 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> 
 
 
 ATTENTION = ("sdpa", "triton")
+KV = ("model", "fp8")  # the cache in the model's dtype, or e4m3 with a scale per vector
 HEADS = ("codebook", "audio")
 
 
@@ -80,9 +82,15 @@ class BatchedDecoder:
         attention: str = "sdpa",
         head: str = "codebook",
         projections: Projections | None = None,
+        kv: str = "model",
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
+        if kv not in KV:
+            raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
+        if kv == "fp8" and self.attention is None:
+            raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
+        self.kv = kv
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         # q,k,v,gate,up: the model's own packed tensor; o and down: its own weights, summed
@@ -113,8 +121,13 @@ class BatchedDecoder:
         # One row more than the streams': `scratch`, where padded prefill rows write.
         self.scratch = rows
         shape = (len(self.norms), rows + 1, self.hkv, max_seq_len, self.d)
-        self.k = torch.zeros(shape, dtype=dt, device=dev)
-        self.v = torch.zeros(shape, dtype=dt, device=dev)
+        cache_dt = FP8 if kv == "fp8" else dt
+        self.k = torch.zeros(shape, dtype=cache_dt, device=dev)
+        self.v = torch.zeros(shape, dtype=cache_dt, device=dev)
+        # fp8: each position's key and value vector (per kv head) with its own scale
+        scale_shape = shape[:-1] if kv == "fp8" else (0,)
+        self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=dev)
+        self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=dev)
         inv_freq = lm.model.rotary_emb.inv_freq.float().to(dev)
         angles = torch.outer(torch.arange(max_seq_len, device=dev).float(), inv_freq)
         angles = torch.repeat_interleave(angles, 2, dim=-1)  # interleaved, as Cohere2
@@ -152,7 +165,7 @@ class BatchedDecoder:
             "weights_read": tensor_bytes(*reads),
             "weights_copied": tensor_bytes(*copied),
             "weights_unread": sum(n for ptr, n in storages.items() if ptr not in read),
-            "cache": tensor_bytes(self.k, self.v),
+            "cache": tensor_bytes(self.k, self.v, self.k_scale, self.v_scale),
         }
 
     def _projection_tensors(self) -> list[torch.Tensor]:
@@ -192,6 +205,18 @@ class BatchedDecoder:
         y = torch.addmm(x.flatten(0, -2), attn.flatten(0, -2), w_o.t())
         return torch.addmm(y, act.flatten(0, -2), w_down.t()).view(x.shape)
 
+    def _write(self, i: int, at: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [..., d] into layer i's cache at index `at` (rows, heads,
+        positions); fp8: each vector quantized with its own scale (APPROXIMATE)."""
+        if self.kv != "fp8":
+            self.k[(i, *at)] = k
+            self.v[(i, *at)] = v
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize_rows(x)
+            cache[(i, *at)] = q
+            scales[(i, *at)] = scale[..., 0]
+
     # ------------------------------------------------------------------ prefill
 
     def prefill(
@@ -217,8 +242,8 @@ class BatchedDecoder:
         causal, sliding = ahead >= 0, (ahead >= 0) & (ahead < self.window)
 
         def attend(i: int, q, k, v) -> torch.Tensor:
-            self.k[i, rows, :, :t] = k
-            self.v[i, rows, :, :t] = v
+            # the prompt attends over its own exact keys; the cache keeps what later steps read
+            self._write(i, (rows, slice(None), slice(0, t)), k, v)
             mask = sliding if self.sliding[i] else causal
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.d**-0.5, enable_gqa=True
@@ -292,13 +317,16 @@ class BatchedDecoder:
         g = self.hq // self.hkv
 
         def attend(i: int, q, k, v) -> torch.Tensor:
-            self.k[i, rows, :, pos] = k[:, :, 0]
-            self.v[i, rows, :, pos] = v[:, :, 0]
+            self._write(i, (rows, slice(None), pos), k[:, :, 0], v[:, :, 0])
             if self.attention is not None:  # each row over [0, pos + 1): no mask, no bucket
                 span = self.window if self.sliding[i] else 0
+                scales = {}
+                if self.kv == "fp8":
+                    scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
                 out = self.attention(
-                    q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1
-                )
+                    q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1,
+                    **scales,
+                )  # fmt: skip
                 return out[:, :, None]
             # The g query heads sharing a kv head become g query rows against it: no GQA
             # expansion, one read of each row's cache per kv head.

@@ -109,10 +109,11 @@ class BatchedServer:
         codec_kv: str = "gather",
         admit_every: int = 1,
         projections: Projections | None = None,
+        kv: str = "model",
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(
-            model, rows, max_seq_len, sampling, attention, head, projections=projections
+            model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv
         )
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchestrate.api.config import SamplingConfig, Workload
 from orchestrate.api.technique import Refused, Technique, TechniqueParams, beyond_rows
@@ -52,6 +52,12 @@ class BatchedDecodeParams(TechniqueParams):
         "(each prefill reads every weight once: fewer, larger ones trade up to N steps of "
         "first-audio latency for fewer reads).",
     )
+    kv: Literal["model", "fp8"] = Field(
+        "model",
+        description="model: the cache in the model's dtype; fp8: e4m3 keys and values, each "
+        "position's vector per kv head with its own scale (APPROXIMATE: half the bytes "
+        "attention reads; needs attention triton).",
+    )
     codec: Literal["sync", "overlap"] = Field(
         "sync",
         description="sync: a step's completed chunks are decoded before it returns; overlap: "
@@ -59,14 +65,21 @@ class BatchedDecodeParams(TechniqueParams):
         "later, no second stream).",
     )
 
+    @model_validator(mode="after")
+    def _fp8_cache_needs_the_kernel(self) -> BatchedDecodeParams:
+        if self.kv == "fp8" and self.attention != "triton":
+            raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
+        return self
+
 
 class BatchedDecode(Technique):
     name = "batched_decode"
     # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec` and
     # `admit_every` (their defaults keep the codec between steps, an admission every step);
     # 4: o_proj and down_proj add into the residual as two GEMMs over the model's own
-    # weights (was one GEMM over a concatenated copy: another summation order)
-    version = 4
+    # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
+    # (its default keeps the cache in the model's dtype)
+    version = 5
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -114,6 +127,7 @@ class BatchedDecode(Technique):
                 head=params.head,
                 codec_overlap=params.codec == "overlap",
                 admit_every=params.admit_every,
+                kv=params.kv,
                 # a projections technique that serves many rows (fp8_projections), if any
                 projections=engine.projections
                 if getattr(engine.projections, "serves_rows", False)

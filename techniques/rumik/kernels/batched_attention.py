@@ -12,6 +12,10 @@ Contract
   above S_max is not caught (checking it would sync with the device): the caller keeps
   its positions inside the cache (BatchedServer refuses a request that would not fit).
 - window > 0: each row attends to its last `window` positions only (sliding layers).
+- k_scale, v_scale: [B, Hkv, S_max] float32 (one stride layout for both, a contiguous last
+  dim) with FP8 (e4m3) caches: position p's key is k_cache[..., p, :] * k_scale[..., p],
+  its value likewise (APPROXIMATE: batched_decode's `kv: fp8`); None for a bf16/fp32
+  cache, which must then share q's dtype.
 - No host synchronisation, and a grid that depends only on the shapes (Hkv x splits x B), so
   a serving step captures it once per batch bucket and replays it for every mix of lengths.
 
@@ -64,6 +68,10 @@ def _batched_split_kernel(
     stride_vs,
     stride_ob,
     stride_oh,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_sh,
     HQ: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -72,6 +80,7 @@ def _batched_split_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -91,9 +100,11 @@ def _batched_split_kernel(
     q = tl.load(q_rows, mask=g_mask[:, None], other=0)
     k_base = k_ptr + row * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + row * stride_vb + kv_head.to(tl.int64) * stride_vh
+    scales = row * stride_sb + kv_head.to(tl.int64) * stride_sh  # FP8 cache: [B, Hkv, S]
     m_i, l_i, acc = attend_range(
         q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
-        G_PAD, D, BLOCK_S, PRECISION, DOT_F32,
+        ks_ptr + scales, vs_ptr + scales,
+        G_PAD, D, BLOCK_S, PRECISION, DOT_F32, KV_SCALED,
     )  # fmt: skip
     if NUM_SPLITS == 1:
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -139,6 +150,8 @@ def batched_decode_attention(
     window: int = 0,
     length_offset: int = 0,
     sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int = 1,
     block_s: int = 64,
     num_stages: int = 3,
@@ -160,7 +173,8 @@ def batched_decode_attention(
         raise ValueError("batched_decode_attention: lengths must be contiguous, on q's device")
     if window < 0:
         raise ValueError(f"batched_decode_attention: window must be >= 0, got {window}")
-    hq, hkv, _ = _check(q[0], k_cache[0], v_cache[0], num_splits, block_s)
+    scaled = _check_scales(k_cache, k_scale, v_scale)
+    hq, hkv, _ = _check(q[0], k_cache[0], v_cache[0], num_splits, block_s, kv_fp8=scaled)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -180,10 +194,13 @@ def batched_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
+        k_scale if scaled else k_cache, v_scale if scaled else v_cache,  # unread unless scaled
+        k_scale.stride(0) if scaled else 0, k_scale.stride(1) if scaled else 0,
         HQ=hq, G=hq // hkv, G_PAD=MAX_GROUP, D=HEAD_DIM, BLOCK_S=block_s,
         NUM_SPLITS=num_splits,
         PRECISION="ieee" if fp32 or interpreting() else "tf32",
         DOT_F32=interpreting() and not fp32,
+        KV_SCALED=scaled,
         num_warps=4, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -196,6 +213,26 @@ def batched_decode_attention(
     return out
 
 
+def _check_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """True for an FP8 cache with its scales (checked against the cache), False for none."""
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("batched_decode_attention: give both k_scale and v_scale, or neither")
+    want = k_cache.shape[:3]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.shape != want or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"batched_decode_attention: {name} must be float32 {tuple(want)} with a "
+                f"contiguous last dim, got {t.dtype} {tuple(t.shape)}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("batched_decode_attention: k_scale and v_scale must share strides")
+    return True
+
+
 def batched_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -203,10 +240,16 @@ def batched_decode_attention_ref(
     lengths: list[int],
     *,
     window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference, row by row (fp32 softmax over each row's valid, windowed slice)."""
+    """Torch reference, row by row (fp32 softmax over each row's valid, windowed slice); an
+    FP8 cache is dequantized with its scales first."""
     from .decode_attention import decode_attention_ref
 
+    if k_scale is not None and v_scale is not None:
+        k_cache = (k_cache.float() * k_scale[..., None]).to(q.dtype)
+        v_cache = (v_cache.float() * v_scale[..., None]).to(q.dtype)
     rows = [
         decode_attention_ref(q[r], k_cache[r], v_cache[r], n, window=window)
         for r, n in enumerate(lengths)

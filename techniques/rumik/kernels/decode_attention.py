@@ -99,15 +99,23 @@ def attend_range(
     qk_scale,
     stride_ks,
     stride_vs,
+    ks_base,
+    vs_base,
     G_PAD: tl.constexpr,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """The G_PAD query rows `q` of one KV head against its cache positions [start, end), an
     online softmax: (running max, running sum, unnormalised output), as exp2 with log2(e) in
-    `qk_scale`. Shared by the one-stream and the batched kernels."""
+    `qk_scale`. Shared by the one-stream and the batched kernels.
+
+    KV_SCALED: the cache holds FP8 keys and values, each position's vector with its own
+    float32 scale (`ks_base[pos]`, `vs_base[pos]`; contiguous per head). A key's scale
+    multiplies its scores, a value's scale its softmax weights in the value sum (not in the
+    normaliser): the same sums as over the dequantized cache, without writing it."""
     offs_d = tl.arange(0, D)
     offs_s = tl.arange(0, BLOCK_S)
     if DOT_F32:  # interpreter only: its tl.dot cannot multiply bf16/fp16
@@ -119,12 +127,18 @@ def attend_range(
         pos = s0 + offs_s
         s_mask = pos < end
         kv_mask = s_mask[:, None]
-        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
-        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+        # other=0.0, a float: the interpreter cannot cast an integer 0 to FP8
+        k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_SCALED:  # e4m3 -> q's dtype is exact
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_SCALED:
+            qk = qk * tl.load(ks_base + pos, mask=s_mask, other=0.0)[None, :]
         # fp32 scale: under inductor a Python float argument arrives as fp64, which would
         # promote the running max to fp64 (a loop-carried type change Triton rejects)
         qk = tl.where(s_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
@@ -132,6 +146,8 @@ def attend_range(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_SCALED:
+            p = p * tl.load(vs_base + pos, mask=s_mask, other=0.0)[None, :]
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -186,8 +202,8 @@ def _attn_split_kernel(
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     m_i, l_i, acc = attend_range(
-        q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
-        G_PAD, D, BLOCK_S, PRECISION, DOT_F32,
+        q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs, k_base, v_base,
+        G_PAD, D, BLOCK_S, PRECISION, DOT_F32, False,
     )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -298,17 +314,25 @@ def decode_attention_ref(
 
 
 def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_splits: int, block_s: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_splits: int,
+    block_s: int,
+    kv_fp8: bool = False,
 ) -> tuple[int, int, int]:
+    """Shapes, dtypes and limits; (Hq, Hkv, S_max). `kv_fp8`: e4m3 caches beside q's dtype
+    (their scales are the batched kernel's to check)."""
+    cache_dtypes = (torch.float8_e4m3fn,) if kv_fp8 else FLOAT_DTYPES
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
-        check_dtype(f"decode_attention {name}", t, FLOAT_DTYPES)
+        check_dtype(f"decode_attention {name}", t, FLOAT_DTYPES if name == "q" else cache_dtypes)
         if t.stride(-1) != 1:
             raise ValueError(f"decode_attention: {name} must have a contiguous last dim")
     hq, d = q.shape
     hkv, s_max, dk = k.shape
     if d != HEAD_DIM or dk != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         raise ValueError(f"decode_attention: head_dim must be {HEAD_DIM}, got q {d}, k {dk}")
-    if v.shape != k.shape or k.dtype != v.dtype or q.dtype != k.dtype:
+    if v.shape != k.shape or k.dtype != v.dtype or (q.dtype != k.dtype and not kv_fp8):
         raise ValueError("decode_attention: q, k_cache, v_cache must share a dtype; k, v a shape")
     if hq % hkv or hq // hkv > MAX_GROUP:
         raise ValueError(
