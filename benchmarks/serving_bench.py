@@ -24,6 +24,7 @@ Bad loads (concurrency 0, beyond the cache's rows, an arrival rate without a dur
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -562,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 write(out, doc)
                 print(brief(level), flush=True)
         del server
+        gc.collect()  # the server's graphs and codec hold it in reference cycles
         if cuda:
             torch.cuda.empty_cache()
     if args.batch1_vs and "error" not in doc["batch1"]:
@@ -586,7 +588,6 @@ BATCH1 = (
 
 def single_stream(model, name: str, prompt: list[int], frames: int, sampling, args) -> dict:
     """`name`'s single-stream engine on the same prompt, frames and sampling (BATCH1)."""
-    import gc
     import statistics
 
     from orchestrate.api.config import load_stack
