@@ -1,0 +1,98 @@
+"""Where fp8_projections' time goes at the Rumik shape (issue 34): a step's 36 layers of
+projections (q,k,v,gate,up packed; o; down), three ways:
+
+  bf16:       F.linear over the bf16 weights (what the exact server runs)
+  fp8:        fp8_linear: each activation row quantized (amax, scale, cast), then
+              torch._scaled_mm with row-wise scales (what fp8_projections runs)
+  fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
+              share: what a quantization fused into the producing kernel would leave)
+
+    python benchmarks/fp8_gemm.py --rows 1,64,256,512 --out fp8-gemm.json
+
+Per row count, each way runs its 108 projections (3 per layer, distinct weights) in one CUDA
+graph; the graphs replay interleaved, each replay timed by CUDA events. The JSON gives each
+way's median ms per step, unrounded, with the GPU, versions and git SHA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from orchestrate.api.device import interleaved_replay_ms
+from orchestrate.running.environment import capture
+from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
+from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_linear, quantize_rows
+
+LAYERS, HIDDEN, QKVGU, INTER = 36, 2048, 25_088, 11_008
+# (input features, output features) of each layer's three projections
+SHAPES = ((HIDDEN, QKVGU), (HIDDEN, HIDDEN), (INTER, HIDDEN))
+
+
+def bf16(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    for x, w in zip(xs, weights, strict=True):
+        F.linear(x, w)
+
+
+def fp8_full(xs: list[torch.Tensor], weights: list[Fp8Weight]) -> None:
+    for x, w in zip(xs, weights, strict=True):
+        fp8_linear(x, w, emulate=False)
+
+
+def fp8_gemm(xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weight]) -> None:
+    for (q, s), w in zip(xq, weights, strict=True):
+        torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale, out_dtype=torch.bfloat16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,64,256,512")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    weights = [
+        torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS) for k, n in SHAPES
+    ]
+    fp8 = [Fp8Weight.of(w) for w in weights]
+    env = capture("cuda", "none", dt)
+    doc: dict = {"environment": env.model_dump(mode="json"), "layers": LAYERS, "levels": []}
+    for b in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(b, w.shape[1], device=dev, dtype=dt) for w in weights]
+        xq = [quantize_rows(x) for x in xs]
+
+        ways = {
+            "bf16": functools.partial(bf16, xs, weights),
+            "fp8": functools.partial(fp8_full, xs, fp8),
+            "fp8_gemm": functools.partial(fp8_gemm, xq, fp8),
+        }
+        graphs = {name: warm_and_capture(fn, warmups=2)[0] for name, fn in ways.items()}
+        times = interleaved_replay_ms(graphs, args.replays)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        level = {
+            "rows": b,
+            "median_ms_per_step": med,
+            "fp8_over_bf16": med["fp8"] / med["bf16"],
+            "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
+            "replays": args.replays,
+        }
+        doc["levels"].append(level)
+        print(
+            f"rows {b:4d}: bf16 {med['bf16']:.3f} ms, fp8 {med['fp8']:.3f} ms "
+            f"({level['fp8_over_bf16']:.3f}x), fp8 GEMM alone {med['fp8_gemm']:.3f} ms "
+            f"({level['fp8_gemm_over_bf16']:.3f}x)",
+            flush=True,
+        )
+        del graphs, xs, xq
+    args.out.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
