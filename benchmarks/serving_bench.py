@@ -588,8 +588,6 @@ BATCH1 = (
 
 def single_stream(model, name: str, prompt: list[int], frames: int, sampling, args) -> dict:
     """`name`'s single-stream engine on the same prompt, frames and sampling (BATCH1)."""
-    import statistics
-
     from orchestrate.api.config import load_stack
     from orchestrate.api.registry import build_stack, get_family
     from orchestrate.api.technique import DeviceCaps

@@ -44,7 +44,6 @@ SLOTS = (
 )  # fmt: skip
 
 
-
 @cache
 def cache_arg() -> str:
     """The forward's cache argument: transformers renamed it (past_key_values -> cache)
@@ -82,6 +81,10 @@ class Projections(abc.ABC):
     decoder that fuses the add into its next norm; and, where o_proj and down_proj are one
     packed weight, `output_packed(i, attn_act)`: the same from the already concatenated
     [attn, act] row, for a decoder that writes that row in one kernel."""
+
+    # True for projections batched_decode's server may step through (many rows at once);
+    # such an object also offers `tensors()`, every tensor its step reads (for memory()).
+    serves_rows: bool = False
 
     @abc.abstractmethod
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -152,7 +152,7 @@ class BatchedDecoder:
         model's weights its step never reads (held for stock: the full vocabulary head;
         with FP8 projections, their bf16 originals); `cache`, its K/V rows."""
         model = self.model
-        reads = [*self._projection_tensors(), self.embed, *self.norms]
+        reads = [*self.proj.tensors(), self.embed, *self.norms]
         reads += [self.final_norm, self.head_w, *model.stop_head.parameters()]
         storages = {  # the model's weights by storage: views of one tensor counted once
             p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
@@ -167,11 +167,6 @@ class BatchedDecoder:
             "weights_unread": sum(n for ptr, n in storages.items() if ptr not in read),
             "cache": tensor_bytes(self.k, self.v, self.k_scale, self.v_scale),
         }
-
-    def _projection_tensors(self) -> list[torch.Tensor]:
-        if self.own_proj:
-            return [*self.proj.w_in, *self.proj.w_o, *self.proj.w_down]
-        return self.proj.tensors()
 
     # ------------------------------------------------------------------ the layers
 

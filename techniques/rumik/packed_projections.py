@@ -44,8 +44,11 @@ class Packed(Projections):
                 self.w_down.append(m.down_proj.weight)
         self.sizes = [p.out_features for p in input_projections(engine.model.lm.model.layers[0])]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.w_in, *self.w_out, *self.w_o, *self.w_down]
+
     def weight_bytes(self) -> int:
-        return tensor_bytes(*self.w_in, *self.w_out, *self.w_o, *self.w_down)
+        return tensor_bytes(*self.tensors())
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(xn, self.w_in[i]).split(self.sizes, dim=-1))

@@ -129,9 +129,7 @@ class BatchedDecode(Technique):
                 admit_every=params.admit_every,
                 kv=params.kv,
                 # a projections technique that serves many rows (fp8_projections), if any
-                projections=engine.projections
-                if getattr(engine.projections, "serves_rows", False)
-                else None,
+                projections=engine.projections if engine.projections.serves_rows else None,
             )
 
         engine.server = build
