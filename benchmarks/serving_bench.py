@@ -61,16 +61,24 @@ PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it 
 CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
 PROJECTIONS = ("bf16", "fp8")  # --projections: fp8's paths are suffixed _fp8 (APPROXIMATE)
 KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXIMATE)
+GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact up to rounding)
 
 
-def path_name(attention: str, codec: str, projections: str = "bf16", kv: str = "model") -> str:
+def path_name(
+    attention: str, codec: str, projections: str = "bf16", kv: str = "model", glue: str = "torch"
+) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = ("_fp8" if projections == "fp8" else "") + ("_kv8" if kv == "fp8" else "")
-    return PATHS[attention] + overlap + fp8
+    return PATHS[attention] + overlap + fp8 + ("_glue" if glue == "triton" else "")
 
 
 ALL_PATHS = [
-    path_name(a, c, p, kv) for kv in KVS for p in PROJECTIONS for c in CODECS for a in PATHS
+    path_name(a, c, p, kv, g)
+    for g in GLUES
+    for kv in KVS
+    for p in PROJECTIONS
+    for c in CODECS
+    for a in PATHS
 ]
 
 NOT_BUILT = [
@@ -126,6 +134,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the cache, comma-separated, each a path per attention, codec and projections: "
         "model (the model's dtype), fp8 (e4m3 with a scale per vector, APPROXIMATE, needs "
         "--attention triton; paths suffixed _kv8, their logits' divergence recorded)",
+    )
+    ap.add_argument(
+        "--glue",
+        default="torch",
+        help="the step's work between projections and attention, comma-separated, each a "
+        "path: torch (eager ops), triton (one kernel each: batched_decode glue: triton; needs "
+        "--attention triton and --kv model alone; paths suffixed _glue)",
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument(
@@ -252,6 +267,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--kv {args.kv!r}: each one of {', '.join(KVS)}")
     if "fp8" in kvs and "sdpa" in args.attention.split(","):
         raise LoadError("--kv fp8 needs --attention triton alone (its kernel reads the scales)")
+    glues = args.glue.split(",")
+    if not args.glue or any(g not in GLUES for g in glues):
+        raise LoadError(f"--glue {args.glue!r}: each one of {', '.join(GLUES)}")
+    if "triton" in glues and ("sdpa" in args.attention.split(",") or "fp8" in kvs):
+        raise LoadError("--glue triton needs --attention triton and --kv model alone")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -456,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
                 "fp8": "APPROXIMATE: techniques/rumik/fp8_projections.py, e4m3 weights with "
                 "a scale per output channel, activations per row, torch._scaled_mm",
             },
+            "glue": {
+                "torch": "eager ops between the projections and attention (fp32 LayerNorm "
+                "with casts, the rotary's slices and stacks, two cache writes, SiLU, multiply)",
+                "triton": "one kernel each: LayerNorm, every row's rotary + cache write at its "
+                "own position, SwiGLU (batched_decode glue: triton; exact up to rounding order)",
+            },
         },
         "baseline_b": {
             "what": "transformers generate(), StaticCache reused per batch size, auto "
@@ -482,14 +508,15 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p, kv)
+        (a, c, p, kv, g)
+        for g in args.glue.split(",")
         for kv in args.kv.split(",")
         for p in args.projections.split(",")
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj, kv) in enumerate(runs):  # one server at a time
-        path = path_name(attention, codec, proj, kv)
+    for which, (attention, codec, proj, kv, glue) in enumerate(runs):  # one server at a time
+        path = path_name(attention, codec, proj, kv, glue)
         fp8 = Fp8Packed(model) if proj == "fp8" else None
         vs_exact = None
         if fp8 is not None or kv == "fp8":
@@ -509,9 +536,16 @@ def main(argv: list[str] | None = None) -> int:
             codec_kv=args.codec_kv,
             projections=fp8,
             kv=kv,
+            glue=glue,
         )
         del fp8  # the server holds it; freed with it
-        about = {"attention": attention, "codec": codec, "projections": proj, "kv": kv}
+        about = {
+            "attention": attention,
+            "codec": codec,
+            "projections": proj,
+            "kv": kv,
+            "glue": glue,
+        }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact
         mine = (

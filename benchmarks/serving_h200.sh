@@ -5,8 +5,10 @@
 #   and ov-runner: ov-serve-gpu through the runner, ov-best-batched against ov-batched;
 #   sustained-runner: serve-gpu-sustained through the runner, the overlap stack;
 #   codec: the streaming codec alone, benchmarks/codec_bench.py, with one profiled decode;
-#   fp8: the step's projections in bf16 and FP8, benchmarks/fp8_gemm.py)
+#   fp8: the step's projections in bf16 and FP8, benchmarks/fp8_gemm.py;
+#   step: the batched step's glue, eager against kernels, profiled, benchmarks/batched_step.py)
 # PROJECTIONS=bf16,fp8 / KV=model,fp8: the rumik part's FP8 paths (approximate) beside the exact.
+# GLUE=torch,triton: the rumik part's step with its glue in kernels (batched_decode glue: triton).
 # BATCH1_VS=exp74-full: the rumik part also times that single-stream stack on the same prompt
 # against each path at 1 stream (ms per token, prefill and codec excluded).
 # The whole script overran OmniVoice's 120 s on an H100 (cut while building): run `ov` in a
@@ -26,7 +28,7 @@ set -o pipefail
 parts=" ${SERVING_PARTS:-tests rumik ov runner} "
 if [[ $parts == *" tests "* ]]; then
 timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
-    -k "decode_attention or serving_step or fp8" 2>&1 | tee "$OUT/serving-gpu-tests.log" | tail -3
+    -k "decode_attention or serving_step or fp8 or rows" 2>&1 | tee "$OUT/serving-gpu-tests.log" | tail -3
 timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serving.py \
     tests/test_fp8_projections.py 2>&1 \
     | tee -a "$OUT/serving-gpu-tests.log" | tail -3
@@ -34,11 +36,14 @@ fi
 [[ $parts == *" codec "* ]] && timeout "${CODEC_TIMEOUT:-150}" python3 benchmarks/codec_bench.py \
     --rows "${CODEC_ROWS:-32,128,256,512}" --frames 1,4 --profile "${CODEC_PROFILE_ROWS:-512}" \
     --out "$OUT/codec.json" 2>&1 | tee "$OUT/codec.log"
+[[ $parts == *" step "* ]] && timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/batched_step.py \
+    --rows "${STEP_ROWS:-1,64,256,512}" --out "$OUT/batched-step.json" 2>&1 | tee "$OUT/batched-step.log"
 [[ $parts == *" fp8 "* ]] && timeout "${FP8_TIMEOUT:-90}" python3 benchmarks/fp8_gemm.py \
     --rows "${FP8_ROWS:-1,64,256,512}" --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8-gemm.log"
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
     --attention "${ATTENTION:-triton}" --codec "${CODEC:-sync,overlap}" \
     --admit-every "${ADMIT_EVERY:-1}" --projections "${PROJECTIONS:-bf16}" --kv "${KV:-model}" \
+    --glue "${GLUE:-torch}" \
     --levels "${LEVELS:-1,32,128,256,512}" --sustained "${SUSTAINED:-128:16,384:16}" \
     ${BATCH1_VS:+--batch1-vs "$BATCH1_VS"} \
     --baseline-levels 32 --time-budget 250 \

@@ -583,6 +583,107 @@ def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     assert rel_err(caches[1], caches[0]) < 1e-5
 
 
+def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BatchedDecoder with glue='triton' (LayerNorm, rotary + cache write, SwiGLU kernels)
+    against glue='torch', both over the attention kernel: three rows of other prompt lengths,
+    greedy, float32, four steps: the same tokens, the same caches, teacher-forced logits
+    within rounding; and the kernels did run (each once per layer and step)."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    long = " ".join(["A longer sentence, to reach well past the sliding window."] * 3)
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long, "Ok."]]
+    calls = {"rope": 0, "swiglu": 0}
+
+    def counted(name: str, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    rope_rows = counted("rope", rn.rope_and_cache_write_rows)
+    monkeypatch.setattr(rn, "rope_and_cache_write_rows", rope_rows)
+    monkeypatch.setattr(sw, "swiglu_rows", counted("swiglu", sw.swiglu_rows))
+    greedy = SamplingConfig(top_k=1)
+    ids = [model.vocab.codebook_ids(i % 8) for i in range(3)]
+    forced = [[int(ids[i][5 * r + i]) for i in range(3)] for r in range(3)]
+    steps, caches, logits = [], [], []
+    for glue in ("torch", "triton"):
+        dec = BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
+        with torch.inference_mode():
+            dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
+            steps.append([dec.step(3, 256).tolist() for _ in range(4)])
+            caches.append(torch.cat([dec.k, dec.v]))
+            logits.append(BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
+                          .teacher_forced(prompts, forced))  # fmt: skip
+    layers = model.config.num_hidden_layers
+    assert calls == {"rope": layers * 7, "swiglu": layers * 7}  # 4 steps + 3 forced, glue triton
+    assert steps[0] == steps[1]
+    assert rel_err(caches[1], caches[0]) < 1e-5
+    for (a, ia), (c, ic) in zip(*logits, strict=True):
+        assert torch.equal(ia, ic) and rel_err(c, a) < 1e-5
+    with pytest.raises(ValueError, match="glue 'triton' needs attention 'triton'"):
+        BatchedDecoder(model, 3, 256, greedy, "sdpa", glue="triton")
+    with pytest.raises(ValueError, match="kv 'fp8' needs glue 'torch'"):
+        BatchedDecoder(model, 3, 256, greedy, "triton", kv="fp8", glue="triton")
+    with pytest.raises(ValueError, match="glue 'fused': one of torch, triton"):
+        BatchedDecoder(model, 3, 256, greedy, "triton", glue="fused")
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write_rows_each_row_at_its_own_position(
+    rotary: bool, dtype: torch.dtype
+) -> None:
+    """Three rows (strided views of a batched packed projection's output) at positions 37, 0
+    and 63: each row's q and k rotated at its own position, its k and v written into its
+    own cache row at that position and nowhere else."""
+    cos, sin = rn.rope_cos_sin(512, dtype=dtype, device=DEVICE)
+    out = randn(3, 16 * 128 + 2 * 4 * 128 + 64, dtype=dtype)
+    q, k, v = (out[:, :2048].view(3, 16, 128), out[:, 2048:2560].view(3, 4, 128),
+               out[:, 2560:3072].view(3, 4, 128))  # fmt: skip
+    kc, vc = randn(3, 4, 64, 128, dtype=dtype), randn(3, 4, 64, 128, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    positions = [37, 0, 63]
+    pos = torch.tensor(positions, device=DEVICE)
+    q_out = rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos, cos, sin, rotary=rotary)
+    q_ref = rn.rope_and_cache_write_rows_ref(q, k, v, kc_ref, vc_ref, positions, cos, sin,
+                                             rotary=rotary)  # fmt: skip
+    assert rel_err(q_out, q_ref) < tol(dtype)
+    assert rel_err(kc, kc_ref) < tol(dtype) and torch.equal(vc, vc_ref)
+    for r, p in enumerate(positions):
+        others = torch.ones(64, dtype=torch.bool)
+        others[p] = False
+        assert torch.equal(kc[r][:, others], kc_ref[r][:, others])
+    if rotary:  # rows really were rotated at different positions
+        assert not torch.equal(q_out[0], q[0])
+    with pytest.raises(ValueError, match=r"pos must be \[3\] int32 or int64"):
+        rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos[:2], cos, sin)
+    with pytest.raises(ValueError, match="need 3 rows"):
+        rn.rope_and_cache_write_rows(q, k[:2], v[:2], kc, vc, pos, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_rows_matches_eager(dtype: torch.dtype) -> None:
+    out = randn(3, 2 * 1500 + 7, dtype=dtype)  # gate and up: strided column slices
+    gate, up = out[:, :1500], out[:, 1500:3000]
+    got = sw.swiglu_rows(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else tol(dtype))
+    with pytest.raises(ValueError, match="gate .* and up .* differ"):
+        sw.swiglu_rows(gate, up[:, :10])
+    with pytest.raises(ValueError, match=r"must be \[B, F\]"):
+        sw.swiglu_rows(gate[0], up[0])
+
+
 def test_batched_decode_attention_rejects_unsupported() -> None:
     q, k = randn(2, 16, 128), randn(2, 4, 32, 128)
     lengths = torch.tensor([4, 4], device=DEVICE)

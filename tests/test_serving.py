@@ -493,16 +493,19 @@ def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(mo
 @pytest.mark.gpu
 def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
     """attention='triton' (head_dim 128: the small-128 preset): one context bucket, graphs
-    per batch bucket replay the eager steps, rows refilled mid-run; and the SDPA path gives
-    the same tokens (float32, greedy)."""
+    per batch bucket replay the eager steps, rows refilled mid-run; and the SDPA path and
+    the kernel glue (graphed) give the same tokens (float32, greedy)."""
     gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
     reqs = [
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for attention, graphs in (("triton", False), ("triton", True), ("sdpa", False)):
+    for attention, graphs, glue in (
+        ("triton", False, "torch"), ("triton", True, "torch"), ("sdpa", False, "torch"),
+        ("triton", True, "triton"),
+    ):  # fmt: skip
         server = BatchedServer(
-            gpu_model, 2, 256, GREEDY, graphs=graphs, codec=False, attention=attention
+            gpu_model, 2, 256, GREEDY, graphs=graphs, codec=False, attention=attention, glue=glue
         )
         if attention == "triton":
             assert server.ctx_buckets == [256]
@@ -512,7 +515,7 @@ def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
             waiting = waiting[server.admit(waiting) :]
             server.step()
         runs.append(server.tokens)
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
 def _bench():
@@ -536,6 +539,8 @@ def _bench():
         (["--attention", "sdpa,triton"], "--attention triton needs --device cuda"),
         (["--levels", "2", "--batch1-vs", "cpu-fast"], "--levels must include 1"),
         (["--levels", "1", "--batch1-vs", "no-such-stack"], "--batch1-vs: "),
+        (["--glue", "fused"], "--glue 'fused': each one of torch, triton"),
+        (["--glue", "torch,triton"], "--glue triton needs --attention triton and --kv model"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

@@ -67,6 +67,9 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> 
 ATTENTION = ("sdpa", "triton")
 KV = ("model", "fp8")  # the cache in the model's dtype, or e4m3 with a scale per vector
 HEADS = ("codebook", "audio")
+# The step's work between its projections and attention: eager torch ops, or the Triton
+# kernels of kernels/rope_norm.py and kernels/swiglu.py (CUDA, or TRITON_INTERPRET=1).
+GLUE = ("torch", "triton")
 
 
 class BatchedDecoder:
@@ -83,6 +86,7 @@ class BatchedDecoder:
         head: str = "codebook",
         projections: Projections | None = None,
         kv: str = "model",
+        glue: str = "torch",
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
@@ -90,7 +94,9 @@ class BatchedDecoder:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
         if kv == "fp8" and self.attention is None:
             raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
-        self.kv = kv
+        if why := glue_refusal(glue, attention, kv):
+            raise ValueError(why)
+        self.kv, self.glue = kv, glue
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         # q,k,v,gate,up: the model's own packed tensor; o and down: its own weights, summed
@@ -132,6 +138,9 @@ class BatchedDecoder:
         angles = torch.outer(torch.arange(max_seq_len, device=dev).float(), inv_freq)
         angles = torch.repeat_interleave(angles, 2, dim=-1)  # interleaved, as Cohere2
         self.cos, self.sin = angles.cos().to(dt), angles.sin().to(dt)
+        # glue triton's tables: one value per interleaved pair (the same rounded values)
+        self.cos_pairs = self.cos[:, ::2].contiguous()
+        self.sin_pairs = self.sin[:, ::2].contiguous()
         self.kv_index = torch.arange(max_seq_len, device=dev)
         self.row_index = torch.arange(rows, device=dev)
         # Per-row state, read and advanced by the step on the device (graph-safe).
@@ -301,6 +310,8 @@ class BatchedDecoder:
     def _forward(self, b: int, s: int) -> torch.Tensor:
         """Rows [0, b)'s next hidden state [b, H], each row's keys and values written at its
         position and attending over its filled positions (within [0, s) for SDPA)."""
+        if self.glue == "triton":
+            return self._forward_fused(b)
         pos = self.pos[:b]
         x = F.embedding(self.ids[:b, None], self.embed)  # [b, 1, H]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
@@ -335,6 +346,35 @@ class BatchedDecoder:
             return out.reshape(b, self.hq, 1, self.d)
 
         return self._layers(x, cos, sin, attend)[:, 0]  # [b, H]
+
+    def _forward_fused(self, b: int) -> torch.Tensor:
+        """`_forward` with glue 'triton': per layer one LayerNorm kernel, the packed
+        projection, one kernel rotating every row's q and k at its own position and writing k
+        and v into its cache row, the attention kernel, one SwiGLU kernel and the two output
+        GEMMs adding into the residual; seven launches where the torch glue takes about
+        thirty (fp32 casts, the rotary's slices and stacks, two cache writes). The same fp32
+        maths, rounded to the model dtype at the same points (exact up to rounding order)."""
+        from orchestrate.techniques.rumik.kernels.rope_norm import (
+            layer_norm as norm_kernel,
+        )
+        from orchestrate.techniques.rumik.kernels.rope_norm import rope_and_cache_write_rows
+        from orchestrate.techniques.rumik.kernels.swiglu import swiglu_rows
+
+        pos = self.pos[:b]
+        x = F.embedding(self.ids[:b], self.embed)  # [b, H]
+        for i, norm_w in enumerate(self.norms):
+            xn = norm_kernel(x, norm_w, self.eps)
+            q, k, v, gate, up = self.proj.qkvgu(i, xn)
+            k_cache, v_cache = self.k[i, :b], self.v[i, :b]
+            q = rope_and_cache_write_rows(
+                q.view(b, self.hq, self.d), k.view(b, self.hkv, self.d),
+                v.view(b, self.hkv, self.d), k_cache, v_cache, pos, self.cos_pairs,
+                self.sin_pairs, rotary=self.sliding[i],
+            )  # fmt: skip
+            span = self.window if self.sliding[i] else 0
+            attn = self.attention(q, k_cache, v_cache, pos, window=span, length_offset=1)
+            x = self._residual(i, x, attn.view(b, self.hq * self.d), swiglu_rows(gate, up))
+        return norm_kernel(x, self.final_norm, self.eps)
 
     def _logits(
         self, hidden: torch.Tensor, count: torch.Tensor
@@ -398,6 +438,17 @@ class BatchedDecoder:
         noisy = top_vals + gumbel_noise(seed, count, top_idx)
         col = top_idx.gather(1, noisy.argmax(-1, keepdim=True))[:, 0]
         return torch.where(may_end & stop, end_col, col)
+
+
+def glue_refusal(glue: str, attention: str, kv: str) -> str | None:
+    """Why `glue` cannot serve with this attention and cache, or None."""
+    if glue not in GLUE:
+        return f"glue {glue!r}: one of {', '.join(GLUE)}"
+    if glue == "triton" and attention != "triton":
+        return "glue 'triton' needs attention 'triton' (a CUDA step of kernels throughout)"
+    if glue == "triton" and kv != "model":
+        return "glue 'triton' writes the cache in the model's dtype; kv 'fp8' needs glue 'torch'"
+    return None
 
 
 def prompt_ids(prompts: list[list[int]], t: int, device: torch.device) -> torch.Tensor:

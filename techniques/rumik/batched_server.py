@@ -110,11 +110,13 @@ class BatchedServer:
         admit_every: int = 1,
         projections: Projections | None = None,
         kv: str = "model",
+        glue: str = "torch",
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(
-            model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv
-        )
+            model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv,
+            glue=glue,
+        )  # fmt: skip
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.chunk_frames = chunk_frames

@@ -58,6 +58,12 @@ class BatchedDecodeParams(TechniqueParams):
         "position's vector per kv head with its own scale (APPROXIMATE: half the bytes "
         "attention reads; needs attention triton).",
     )
+    glue: Literal["torch", "triton"] = Field(
+        "torch",
+        description="torch: eager ops between the projections and attention (norms, rotary, "
+        "cache writes, SwiGLU); triton: one kernel each (about seven launches a layer "
+        "instead of thirty; exact up to rounding order; needs attention triton, kv model).",
+    )
     codec: Literal["sync", "overlap"] = Field(
         "sync",
         description="sync: a step's completed chunks are decoded before it returns; overlap: "
@@ -66,9 +72,13 @@ class BatchedDecodeParams(TechniqueParams):
     )
 
     @model_validator(mode="after")
-    def _fp8_cache_needs_the_kernel(self) -> BatchedDecodeParams:
+    def _kernels_it_needs(self) -> BatchedDecodeParams:
         if self.kv == "fp8" and self.attention != "triton":
             raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
+        from orchestrate.techniques.rumik.batched_decode import glue_refusal
+
+        if why := glue_refusal(self.glue, self.attention, self.kv):
+            raise ValueError(why)
         return self
 
 
@@ -78,8 +88,9 @@ class BatchedDecode(Technique):
     # `admit_every` (their defaults keep the codec between steps, an admission every step);
     # 4: o_proj and down_proj add into the residual as two GEMMs over the model's own
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
-    # (its default keeps the cache in the model's dtype)
-    version = 5
+    # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
+    # eager ops)
+    version = 6
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -128,6 +139,7 @@ class BatchedDecode(Technique):
                 codec_overlap=params.codec == "overlap",
                 admit_every=params.admit_every,
                 kv=params.kv,
+                glue=params.glue,
                 # a projections technique that serves many rows (fp8_projections), if any
                 projections=engine.projections if engine.projections.serves_rows else None,
             )

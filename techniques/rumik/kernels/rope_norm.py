@@ -24,6 +24,11 @@ rotary=True) -> q_out[Hq, D]`
   the last dim must be contiguous. D even, <= 256; Hq, Hkv <= 64.
 - No host synchronisation: CUDA-graph / device-loop safe.
 
+`rope_and_cache_write_rows(q[B, Hq, D], k[B, Hkv, D], v, k_cache[B, Hkv, S_max, D], v_cache,
+pos[B], cos, sin, rotary=True) -> q_out[B, Hq, D]`: the same for B rows in one launch (a
+batched decode step, techniques/rumik/batched_decode.py), row r at its own device position
+pos[r] and into cache row r.
+
 Why it is fast
 --------------
 At batch 1 these ops move a few KB; their cost is launches and round trips through memory.
@@ -205,18 +210,22 @@ def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr,
     HQ, HKV, S_MAX, TABLE_LEN,
     stride_q, stride_k, stride_v, stride_qo, stride_kch, stride_kcs, stride_vch, stride_vcs,
+    stride_qr, stride_kr, stride_vr, stride_qor, stride_kcr, stride_vcr, stride_pos,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
     ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # Three programs, one per tensor (q; k into the cache; v into the cache), each with one
-    # dependent chain (position -> cos/sin -> rotate -> store). Measured neutral against
-    # one program doing the three in turn (3.51 against 3.57 us per call inside exp74-full
-    # on the H200): under PDL the call's time is mostly its wait on the GEMV before it.
+    # Three programs per row, one per tensor (q; k into the cache; v into the cache), each
+    # with one dependent chain (position -> cos/sin -> rotate -> store). Measured neutral
+    # against one program doing the three in turn (3.51 against 3.57 us per call inside
+    # exp74-full on the H200): under PDL the call's time is mostly its wait on the GEMV
+    # before it. One stream's step is one row (row strides unused); a batched step's rows
+    # each read their own position.
     part = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    pos = tl.load(pos_ptr).to(tl.int64)
+    pos = tl.load(pos_ptr + row * stride_pos).to(tl.int64)
     cos = tl.zeros([HALF], dtype=tl.float32)
     sin = tl.zeros([HALF], dtype=tl.float32)
     if ROTARY:  # (the v program reads the 256 bytes too and never uses them)
@@ -225,14 +234,16 @@ def _rope_cache_kernel(
         sin = tl.load(sin_ptr + pos * HALF + i, mask=in_table, other=0.0).to(tl.float32)
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
     if part == 0:
-        _rotate_heads(q_ptr, q_out_ptr, stride_q, stride_qo, cos, sin, HQ, True,
-                      HQ_PAD, HALF, ROTARY)  # fmt: skip
+        _rotate_heads(q_ptr + row * stride_qr, q_out_ptr + row * stride_qor, stride_q,
+                      stride_qo, cos, sin, HQ, True, HQ_PAD, HALF, ROTARY)  # fmt: skip
     elif part == 1:
-        _rotate_heads(k_ptr, kc_ptr + pos * stride_kcs, stride_k, stride_kch, cos, sin, HKV,
-                      in_cache, HKV_PAD, HALF, ROTARY)  # fmt: skip
+        _rotate_heads(k_ptr + row * stride_kr, kc_ptr + row * stride_kcr + pos * stride_kcs,
+                      stride_k, stride_kch, cos, sin, HKV, in_cache, HKV_PAD, HALF,
+                      ROTARY)  # fmt: skip
     else:
-        _rotate_heads(v_ptr, vc_ptr + pos * stride_vcs, stride_v, stride_vch, cos, sin, HKV,
-                      in_cache, HKV_PAD, HALF, False)  # fmt: skip
+        _rotate_heads(v_ptr + row * stride_vr, vc_ptr + row * stride_vcr + pos * stride_vcs,
+                      stride_v, stride_vch, cos, sin, HKV, in_cache, HKV_PAD, HALF,
+                      False)  # fmt: skip
 
 
 def rope_cos_sin(
@@ -347,13 +358,89 @@ def rope_and_cache_write(
         raise ValueError("rope_and_cache_write: q_out must match q in size and dtype")
     qo = q_out.view(q2.shape)
     use_pdl = pdl_enabled(launch_pdl, device)
-    _rope_cache_kernel[(3,)](
+    _rope_cache_kernel[(3, 1)](
         q2, k2, v2, pos, cos, sin, qo, kc, vc,
         q2.shape[0], k2.shape[0], kc.shape[1], cos.shape[0],
         q2.stride(0), k2.stride(0), v2.stride(0), qo.stride(0),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        0, 0, 0, 0, 0, 0, 0,  # one row
         HQ_PAD=next_pow2(max(2, q2.shape[0])), HKV_PAD=next_pow2(max(2, k2.shape[0])),
         HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl,
         **launch_options(use_pdl, 4),
     )  # fmt: skip
     return q_out
+
+
+def rope_and_cache_write_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary: bool = True,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rope_and_cache_write` for B rows at once: row r's q [B, Hq, D] and k [B, Hkv, D]
+    rotated at its own device position pos[r], its k and v written into cache row r
+    ([B, Hkv, S_max, D]) at pos[r]. One launch of 3 x B programs."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            "rope_and_cache_write_rows: q, k, v must be [B, H, D] and the caches "
+            f"[B, Hkv, S_max, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(k_cache.shape)}"
+        )
+    b, d = q.shape[0], k_cache.shape[-1]
+    if k.shape[0] != b or v.shape != k.shape or k_cache.shape[0] != b:
+        raise ValueError(f"rope_and_cache_write_rows: q, k, v and the caches need {b} rows")
+    if pos.shape != (b,) or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rope_and_cache_write_rows: pos must be [{b}] int32 or int64")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"rope_and_cache_write_rows: {name} must have a contiguous last dim")
+    check_device("rope_and_cache_write_rows", q, k, v, k_cache, v_cache, pos, cos, sin)
+    for t in (q, k, v, k_cache, v_cache, cos, sin):
+        check_dtype("rope_and_cache_write_rows", t, FLOAT_DTYPES)
+    _check_rope(q[0], k[0], k_cache[0], v_cache[0], cos)
+    if sin.shape != cos.shape:
+        raise ValueError("rope_and_cache_write_rows: sin must match cos")
+    if q_out is None:
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(-1) != 1:
+        raise ValueError(f"rope_and_cache_write_rows: q_out must be {tuple(q.shape)} {q.dtype}")
+    kc, vc = k_cache, v_cache
+    _rope_cache_kernel[(3, b)](
+        q, k, v, pos, cos, sin, q_out, kc, vc,
+        q.shape[1], k.shape[1], kc.shape[2], cos.shape[0],
+        q.stride(1), k.stride(1), v.stride(1), q_out.stride(1),
+        kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
+        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0),
+        kc.stride(0), vc.stride(0), pos.stride(0),
+        HQ_PAD=next_pow2(max(2, q.shape[1])), HKV_PAD=next_pow2(max(2, k.shape[1])),
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False,
+        **launch_options(False, 4),
+    )  # fmt: skip
+    return q_out
+
+
+def rope_and_cache_write_rows_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary: bool = True,
+) -> torch.Tensor:
+    """Reference: `rope_and_cache_write_ref` row by row."""
+    return torch.stack([
+        rope_and_cache_write_ref(
+            q[r], k[r], v[r], k_cache[r], v_cache[r], p, cos, sin, rotary=rotary
+        )
+        for r, p in enumerate(pos)
+    ])  # fmt: skip

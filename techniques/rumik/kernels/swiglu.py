@@ -8,6 +8,8 @@ input dtype (what `F.silu` stores), then the product of the two stored values in
 in the input dtype (what `*` stores). One row (batch-1 decode); gate and up may be strided
 views (column slices of the packed input projection's output): only the last dim must be
 contiguous. No host synchronisation: CUDA-graph / device-loop safe.
+`swiglu_rows(gate[B, F], up[B, F]) -> silu(gate) * up` for a batched decode step's B rows
+(its output projections take attn and the activation apart), rounded the same way.
 
 Why it exists
 -------------
@@ -42,6 +44,15 @@ BLOCK = 1024
 
 
 @triton.jit
+def _silu_mul(gate_ptrs, up_ptrs, m, dtype: tl.constexpr):
+    """silu(gate) * up, rounded as the eager ops round it (see Contract)."""
+    g = tl.load(gate_ptrs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up_ptrs, mask=m, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu stores this
+    return (s.to(tl.float32) * u).to(dtype)
+
+
+@triton.jit
 def _swiglu_cat_kernel(
     attn_ptr, gate_ptr, up_ptr, out_ptr, A, F_DIM,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -57,11 +68,8 @@ def _swiglu_cat_kernel(
     else:
         offs = (pid - n_attn) * BLOCK + tl.arange(0, BLOCK)
         m = offs < F_DIM
-        g = tl.load(gate_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # F.silu stores this
-        act = s.to(tl.float32) * u
-        tl.store(out_ptr + A + offs, act.to(out_ptr.dtype.element_ty), mask=m)
+        act = _silu_mul(gate_ptr + offs, up_ptr + offs, m, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + A + offs, act, mask=m)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -93,5 +101,40 @@ def swiglu_cat(
     _swiglu_cat_kernel[(cdiv(a, BLOCK) + cdiv(f, BLOCK),)](
         attn, gate, up, out, a, f,
         BLOCK=BLOCK, USE_PDL=use_pdl, **launch_options(use_pdl, 4),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _swiglu_rows_kernel(
+    gate_ptr, up_ptr, out_ptr, F_DIM, stride_g, stride_u, stride_o, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < F_DIM
+    act = _silu_mul(gate_ptr + row * stride_g + offs, up_ptr + row * stride_u + offs, m,
+                    out_ptr.dtype.element_ty)  # fmt: skip
+    tl.store(out_ptr + row * stride_o + offs, act, mask=m)
+
+
+def swiglu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for B rows [B, F] (strided rows: column slices of a batched packed
+    projection's output), in one launch: what a batched decode step's MLP multiplies by
+    down_proj."""
+    device = check_device("swiglu_rows", gate, up)
+    for name, t in (("gate", gate), ("up", up)):
+        check_dtype(f"swiglu_rows {name}", t, FLOAT_DTYPES)
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"swiglu_rows: {name} must be [B, F] with a contiguous last dim")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"swiglu_rows: gate {tuple(gate.shape)} {gate.dtype} and up "
+            f"{tuple(up.shape)} {up.dtype} differ"
+        )
+    b, f = gate.shape
+    out = torch.empty((b, f), dtype=gate.dtype, device=device)
+    _swiglu_rows_kernel[(cdiv(f, BLOCK), b)](
+        gate, up, out, f, gate.stride(0), up.stride(0), out.stride(0),
+        BLOCK=BLOCK, **launch_options(False, 4),
     )  # fmt: skip
     return out
