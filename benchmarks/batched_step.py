@@ -1,23 +1,26 @@
 """Where the batched decode step's time goes at the Rumik shape (issue 34), and what the
-kernel glue saves: one step of BatchedDecoder (triton attention, bf16 cache) with its eager
-glue (`torch`) and with its kernels (`triton`: LayerNorm, rotary + cache write, SwiGLU).
+kernel glue and an FP8 cache save: one step of BatchedDecoder (triton attention) with its
+eager glue (`torch`) and with its kernels (`triton`: LayerNorm, rotary + cache write,
+SwiGLU), over a bf16 cache and over an FP8 one (`_kv8`, APPROXIMATE: `kv: fp8`).
 
     python benchmarks/batched_step.py --rows 1,64,256,512 --context 420 --out step.json
 
 Every row sits at cache position `--context` and stays there (rows inactive: a step computes
 everything and advances nothing), so every replay does the same work. Per row count, each
-glue's step is captured in a CUDA graph over the same buffers; the graphs replay
-interleaved, each replay timed by CUDA events. Also in the JSON, unrounded, beside the GPU,
-versions and git SHA:
-- `agree`: the glues' hidden states (max |diff| / max |h|) and sampled tokens on the same
-  state (exact up to rounding order: the same fp32 maths);
+variant's step is captured in a CUDA graph (a variant's glue and cache share one decoder's
+buffers); the graphs replay interleaved, each replay timed by CUDA events. Also in the JSON,
+unrounded, beside the GPU, versions and git SHA:
+- `agree`: each variant's hidden states against `torch` (the exact glue over the bf16
+  cache) on the same inputs: ||h - h_torch|| / ||h_torch|| and the share of equal sampled
+  tokens (the kernel glue: exact up to rounding order; `_kv8`: approximate);
 - `kernels_per_step` and GPU ms per step by kernel group, from torch.profiler over graph
   replays (`--profile-rows`);
-- `floor_ms`: the step's physical floor on this GPU, from ceilings measured in this run (a
-  1 GiB device copy; a 8192^3 bf16 matmul): max(bytes / copy rate, FLOPs / matmul rate),
-  bytes = the weights the step reads + every row's K/V up to `--context`, FLOPs = 2 x the
-  projection and head weights' elements x rows (attention's FLOPs left out: small at this
-  context). `of_floor` = floor_ms / median ms.
+- `floor_ms`: the step's physical floor on this GPU, from rates measured in this run (HBM
+  read: a 2 GiB amax; bf16 tensor cores: an 8192^3 matmul): max(bytes / read rate, FLOPs /
+  matmul rate), bytes = the weights the step reads + every row's K/V up to `--context` in
+  the bf16 cache, FLOPs = 2 x the projection and head weights' elements x rows (attention's
+  FLOPs left out: small at this context). `of_floor` = floor_ms / median ms; the FP8
+  cache's floor is lower (half the cache bytes): `floor_ms_kv8`.
 """
 
 from __future__ import annotations
@@ -56,15 +59,15 @@ def group_of(name: str) -> str:
 
 
 def ceilings(dev: torch.device) -> dict[str, float]:
-    """This GPU's copy rate (bytes/s, read + write counted) and bf16 matmul rate (FLOP/s)."""
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)  # 1 GiB
-    b = torch.empty_like(a)
+    """This GPU's HBM read rate (bytes/s: an amax over 2 GiB, read once, nothing written
+    but one value) and bf16 matmul rate (FLOP/s)."""
+    a = torch.ones(1 << 30, dtype=torch.bfloat16, device=dev)  # 2 GiB
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    copy = warm_and_capture(lambda: b.copy_(a))[0]
+    read = warm_and_capture(lambda: a.amax())[0]
     mm = warm_and_capture(lambda: x @ x)[0]
-    t = interleaved_replay_ms({"copy": copy, "mm": mm}, 20)
+    t = interleaved_replay_ms({"read": read, "mm": mm}, 20)
     return {
-        "copy_bytes_per_s": 2 * a.numel() * 2 / (statistics.median(t["copy"]) / 1e3),
+        "read_bytes_per_s": a.numel() * 2 / (statistics.median(t["read"]) / 1e3),
         "bf16_flop_per_s": 2 * 8192**3 / (statistics.median(t["mm"]) / 1e3),
     }
 
@@ -97,11 +100,15 @@ def profile(graphs: dict[str, torch.cuda.CUDAGraph], replays: int) -> dict[str, 
 
 
 def fill_state(dec: BatchedDecoder, context: int) -> None:
-    """Every row at position `context` over random keys and values, feeding a random token
-    (id 0 is padding: its embedding is zero); inactive, so steps advance nothing."""
+    """Every row at position `context` over random keys and values (the same draws for
+    every decoder: an FP8 cache holds them rounded, with scales of 1), feeding a random
+    token (id 0 is padding: its embedding is zero); inactive, so steps advance nothing."""
     gen = torch.Generator(device=dec.k.device).manual_seed(0)
     for cache in (dec.k, dec.v):
-        cache.normal_(0.0, 1.0, generator=gen)
+        for layer in cache:  # one layer at a time: an FP8 cache is filled through float32
+            layer.copy_(torch.randn(layer.shape, generator=gen, device=layer.device))
+    for scales in (dec.k_scale, dec.v_scale):
+        scales.fill_(1.0)
     dec.ids.random_(1, dec.embed.shape[0], generator=gen)
     dec.pos.fill_(context)
     dec.active.zero_()
@@ -114,51 +121,76 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=420, help="every row's cache position")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--profile-rows", default="1,512", help="row counts profiled ('' none)")
+    ap.add_argument("--preset", default="rumik-oss-1")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     levels = [int(r) for r in args.rows.split(",")]
     profiled = {int(r) for r in args.profile_rows.split(",") if r}
     dev = torch.device("cuda")
     model = get_family("rumik").build_model(
-        ModelSpec(preset="rumik-oss-1", device="cuda", dtype="bfloat16")
+        ModelSpec(preset=args.preset, device=dev.type, dtype="bfloat16")
     )
-    dec = BatchedDecoder(model, max(levels), args.context + 16, SamplingConfig(), "triton")
+    # one decoder per cache dtype; a variant is (its glue, the decoder of its cache)
+    decs = {
+        kv: BatchedDecoder(model, max(levels), args.context + 16, SamplingConfig(), "triton", kv=kv)
+        for kv in ("model", "fp8")
+    }
+    variants = {
+        glue + ("_kv8" if kv == "fp8" else ""): (glue, decs[kv]) for kv in decs for glue in GLUE
+    }
+    dec = decs["model"]
     cache_per_row = dec.k[:, 0, :, : args.context].numel() * dec.k.element_size() * 2
     weights = dec.memory()["weights_read"]
     matmul_elems = sum(t.numel() for t in dec.proj.tensors()) + dec.head_w.numel()
     ceil = ceilings(dev)
     doc: dict = {
         "environment": capture("cuda", "none", torch.bfloat16).model_dump(mode="json"),
-        "model": {"preset": "rumik-oss-1", "dtype": "bfloat16", "random_weights": True},
+        "model": {"preset": args.preset, "dtype": "bfloat16", "random_weights": True},
         "context": args.context,
-        "attention": "triton (kernels/batched_attention.py), bf16 cache",
+        "attention": "triton (kernels/batched_attention.py)",
+        "variants": {
+            "torch": "eager glue, bf16 cache (the exact step)",
+            "triton": "kernel glue, bf16 cache (exact up to rounding order)",
+            "torch_kv8": "eager glue, FP8 cache quantized by quantize_rows (APPROXIMATE)",
+            "triton_kv8": "kernel glue, FP8 cache quantized by the rotary kernel (APPROXIMATE)",
+        },
         "ceilings": ceil,
         "weights_read_bytes": weights,
         "cache_bytes_per_row": cache_per_row,
         "levels": [],
     }
     with torch.inference_mode():
-        fill_state(dec, args.context)
+        for d in decs.values():
+            fill_state(d, args.context)
         for b in levels:
             graphs, agree = {}, {}
-            for glue in GLUE:
-                dec.glue = glue
-                graphs[glue] = warm_and_capture(lambda b=b: dec.step(b, dec.capacity))[0]
-                agree[glue] = (dec._forward(b, dec.capacity).float(), dec.step(b, dec.capacity))
-            (h0, t0), (h1, t1) = agree["torch"], agree["triton"]
+            for name, (glue, d) in variants.items():
+                d.glue = glue
+                graphs[name] = warm_and_capture(lambda b=b, d=d: d.step(b, d.capacity))[0]
+                agree[name] = (d._forward(b, d.capacity).float(), d.step(b, d.capacity))
+            h0, t0 = agree["torch"]
             times = interleaved_replay_ms(graphs, args.replays)
             med = {name: statistics.median(t) for name, t in times.items()}
-            mem_s = (weights + b * cache_per_row) / ceil["copy_bytes_per_s"]
-            floor_ms = 1e3 * max(mem_s, 2 * matmul_elems * b / ceil["bf16_flop_per_s"])
+            mem_s = (weights + b * cache_per_row) / ceil["read_bytes_per_s"]
+            mem8_s = (weights + b * cache_per_row / 2) / ceil["read_bytes_per_s"]
+            flop_s = 2 * matmul_elems * b / ceil["bf16_flop_per_s"]
+            floor_ms, floor8_ms = 1e3 * max(mem_s, flop_s), 1e3 * max(mem8_s, flop_s)
             level = {
                 "rows": b,
                 "median_ms_per_step": med,
-                "triton_over_torch": med["triton"] / med["torch"],
+                "over_torch": {name: ms / med["torch"] for name, ms in med.items()},
                 "floor_ms": floor_ms,
-                "of_floor": {name: floor_ms / ms for name, ms in med.items()},
+                "floor_ms_kv8": floor8_ms,
+                "of_floor": {
+                    name: (floor8_ms if name.endswith("_kv8") else floor_ms) / ms
+                    for name, ms in med.items()
+                },
                 "agree": {
-                    "hidden_max_abs_diff_over_max": float((h1 - h0).abs().max() / h0.abs().max()),
-                    "tokens_equal": float((t0 == t1).float().mean()),
+                    name: {
+                        "hidden_rel_l2": float((h - h0).norm() / h0.norm()),
+                        "tokens_equal": float((t == t0).float().mean()),
+                    }
+                    for name, (h, t) in agree.items()
                 },
                 "replays": args.replays,
             }
@@ -166,9 +198,11 @@ def main() -> None:
                 level["profile"] = profile(graphs, 5)
             doc["levels"].append(level)
             print(
-                f"rows {b:4d}: torch glue {med['torch']:.3f} ms, triton glue "
-                f"{med['triton']:.3f} ms ({level['triton_over_torch']:.3f}x); floor "
-                f"{floor_ms:.3f} ms; tokens equal {level['agree']['tokens_equal']:.3f}",
+                f"rows {b:4d}: "
+                + ", ".join(
+                    f"{n} {ms:.3f} ms ({level['over_torch'][n]:.3f}x)" for n, ms in med.items()
+                )
+                + f"; floor {floor_ms:.3f} ms (kv8 {floor8_ms:.3f})",
                 flush=True,
             )
             del graphs

@@ -140,7 +140,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="torch",
         help="the step's work between projections and attention, comma-separated, each a "
         "path: torch (eager ops), triton (one kernel each: batched_decode glue: triton; needs "
-        "--attention triton and --kv model alone; paths suffixed _glue)",
+        "--attention triton alone; paths suffixed _glue)",
     )
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument(
@@ -195,20 +195,31 @@ VS_EXACT = (
 
 @torch.inference_mode()
 def divergence(
-    model, prompt: list[int], sampling, attention: str, projections, kv: str, steps: int = 32
+    model,
+    prompt: list[int],
+    sampling,
+    attention: str,
+    projections,
+    kv: str,
+    glue: str = "torch",
+    steps: int = 32,
 ) -> dict[str, Any]:
-    """What FP8 projections and/or an FP8 cache change in the step's logits (VS_EXACT)."""
+    """What FP8 projections and/or an FP8 cache change in the step's logits (VS_EXACT);
+    the exact step's glue is `glue` too."""
     from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 
     greedy = sampling.model_copy(update={"top_k": 1})
     capacity = len(prompt) + steps + 1
-    ref = BatchedDecoder(model, 1, capacity, greedy, attention)
+    ref = BatchedDecoder(model, 1, capacity, greedy, attention, glue=glue)
     ref.prefill([0], [prompt], [0], [False])
     tokens = [[int(ref.step(1, capacity)[0]) for _ in range(steps)]]
-    ref = BatchedDecoder(model, 1, capacity, greedy, attention)  # a fresh cache to teacher-force
+    # a fresh cache to teacher-force
+    ref = BatchedDecoder(model, 1, capacity, greedy, attention, glue=glue)
     bf16 = [lg[0].float() for lg, _ in ref.teacher_forced([prompt], tokens)]
     del ref
-    dec = BatchedDecoder(model, 1, capacity, greedy, attention, projections=projections, kv=kv)
+    dec = BatchedDecoder(
+        model, 1, capacity, greedy, attention, projections=projections, kv=kv, glue=glue
+    )
     ours = [lg[0].float() for lg, _ in dec.teacher_forced([prompt], tokens)]
     pairs = list(zip(bf16, ours, strict=True))
     cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in pairs]
@@ -270,8 +281,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
     glues = args.glue.split(",")
     if not args.glue or any(g not in GLUES for g in glues):
         raise LoadError(f"--glue {args.glue!r}: each one of {', '.join(GLUES)}")
-    if "triton" in glues and ("sdpa" in args.attention.split(",") or "fp8" in kvs):
-        raise LoadError("--glue triton needs --attention triton and --kv model alone")
+    if "triton" in glues and "sdpa" in args.attention.split(","):
+        raise LoadError("--glue triton needs --attention triton alone")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -520,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         fp8 = Fp8Packed(model) if proj == "fp8" else None
         vs_exact = None
         if fp8 is not None or kv == "fp8":
-            vs_exact = divergence(model, prompt, sampling, attention, fp8, kv)
+            vs_exact = divergence(model, prompt, sampling, attention, fp8, kv, glue)
         server = BatchedServer(
             model,
             rows,

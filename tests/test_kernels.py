@@ -104,6 +104,13 @@ def _interpret_while_testing() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Each test's random inputs from one seed: a tolerance checked on random values must
+    not pass or fail with the tests that ran before it."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _only_in_process(request: pytest.FixtureRequest) -> None:
     if not IN_PROCESS and request.node.name != "test_interpreted_subprocess":
         pytest.skip("runs inside test_interpreted_subprocess")
@@ -632,10 +639,97 @@ def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
         assert torch.equal(ia, ic) and rel_err(c, a) < 1e-5
     with pytest.raises(ValueError, match="glue 'triton' needs attention 'triton'"):
         BatchedDecoder(model, 3, 256, greedy, "sdpa", glue="triton")
-    with pytest.raises(ValueError, match="kv 'fp8' needs glue 'torch'"):
-        BatchedDecoder(model, 3, 256, greedy, "triton", kv="fp8", glue="triton")
     with pytest.raises(ValueError, match="glue 'fused': one of torch, triton"):
         BatchedDecoder(model, 3, 256, greedy, "triton", glue="fused")
+
+
+def assert_fp8_agree(got: torch.Tensor, want: torch.Tensor, steps: int = 0) -> None:
+    """e4m3 values written by a kernel against torch's: the same bytes but for a rounding
+    step in under 1% of them on a GPU (the fp32 sums before the cast run in another order),
+    and none more than `steps` + 1 codes apart (the sign bit equal: e4m3 codes of one sign
+    are ordered by magnitude). Triton's CPU interpreter also drops the carry of a rounding
+    into the exponent (31.9 becomes 16, not 32): there a value may be half torch's."""
+    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    near = ((a >> 7) == (b >> 7)) & ((a - b).abs() <= steps + 1)
+    if CUDA:
+        assert near.all() and (a == b).float().mean() > 0.99
+        return
+    doubled = (got.float() * 2).to(got.dtype).view(torch.uint8).int()
+    carry = ((doubled >> 7) == (b >> 7)) & ((doubled - b).abs() <= steps + 1)
+    assert (near | carry).all() and ((a - b).abs() <= steps)[~carry].float().mean() > 0.99
+
+
+def test_kernel_glue_writes_the_fp8_cache_the_torch_glue_writes() -> None:
+    """kv='fp8' with glue='triton' (the rotary kernel quantizes as it writes) against
+    glue='torch' (quantize_rows after the eager write): three rows, greedy, float32, four
+    steps: the same tokens; in the first layer (whose inputs do not depend on the cache) the
+    same scales within rounding and the same e4m3 bytes but for a rounding step in a few
+    values; deeper, those flips move attention a little (scales within 1e-2)."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", "Ok, go."]]
+    greedy = SamplingConfig(top_k=1)
+    runs = []
+    for glue in ("torch", "triton"):
+        dec = BatchedDecoder(model, 2, 96, greedy, "triton", kv="fp8", glue=glue)
+        with torch.inference_mode():
+            dec.prefill([0, 1], prompts, [1, 2], [False] * 2)
+            tokens = [dec.step(2, 96).tolist() for _ in range(4)]
+        runs.append((tokens, dec))
+    (t0, a), (t1, b) = runs
+    assert t0 == t1
+    written = a.k_scale > 0  # every position a step or a prompt wrote
+    assert written.sum() > 0 and torch.equal(written, b.k_scale > 0)
+    assert rel_err(b.k_scale[0], a.k_scale[0]) < 1e-6
+    assert rel_err(b.v_scale[0], a.v_scale[0]) < 1e-6
+    for x, y in ((a.k[0], b.k[0]), (a.v[0], b.v[0])):
+        assert_fp8_agree(y[written[0]], x[written[0]])
+    assert rel_err(b.k_scale, a.k_scale) < 1e-2 and rel_err(b.v_scale, a.v_scale) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write_rows_quantizes_into_an_fp8_cache(dtype: torch.dtype) -> None:
+    """With e4m3 caches and scales, each key and value vector stored as quantize_rows stores
+    it (its amax to 448, float32 scale beside it), at each row's own position."""
+    cos, sin = rn.rope_cos_sin(512, dtype=dtype, device=DEVICE)
+    q, k, v = (
+        randn(2, 16, 128, dtype=dtype),
+        randn(2, 4, 128, dtype=dtype) * 3,
+        randn(2, 4, 128, dtype=dtype),
+    )
+    fp8 = torch.float8_e4m3fn
+    kc = torch.zeros(2, 4, 64, 128, dtype=fp8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(2, 4, 64, device=DEVICE), torch.zeros(2, 4, 64, device=DEVICE)
+    ref = [t.clone() for t in (kc, vc, ks, vs)]
+    positions = [5, 40]
+    pos = torch.tensor(positions, device=DEVICE)
+    q_out = rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos, cos, sin, k_scale=ks, v_scale=vs)
+    q_ref = rn.rope_and_cache_write_rows_ref(q, k, v, *ref[:2], positions, cos, sin,
+                                             k_scale=ref[2], v_scale=ref[3])  # fmt: skip
+    assert rel_err(q_out, q_ref) < tol(dtype)
+    assert (ks[0, :, 5] > 0).all() and (ks[1, :, 40] > 0).all() and (ks > 0).sum() == 8
+    written = ks > 0
+    for got, want, scale, scale_ref in ((kc, ref[0], ks, ref[2]), (vc, ref[1], vs, ref[3])):
+        if dtype == torch.float32:  # the vector quantized is the rotation's fp32 result
+            assert rel_err(scale, scale_ref) < 1e-6
+            assert_fp8_agree(got[written], want[written])
+        else:  # rounded to bf16 first (by truncation in the interpreter: within an ulp)
+            assert rel_err(scale, scale_ref) < 1e-2
+            assert_fp8_agree(got[written], want[written], steps=1)
+        assert torch.equal(got[~written].float(), want[~written].float())  # nothing else
+        assert got.float().abs().amax() == 448.0  # each vector's largest value maps to 448
+    with pytest.raises(ValueError, match="e4m3 caches need k_scale and v_scale"):
+        rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos, cos, sin)
+    with pytest.raises(ValueError, match="scales go with float8_e4m3fn caches"):
+        rn.rope_and_cache_write_rows(q, k, v, kc.to(dtype), vc.to(dtype), pos, cos, sin,
+                                     k_scale=ks, v_scale=vs)  # fmt: skip
 
 
 @pytest.mark.parametrize("rotary", [True, False])

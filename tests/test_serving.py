@@ -540,7 +540,7 @@ def _bench():
         (["--levels", "2", "--batch1-vs", "cpu-fast"], "--levels must include 1"),
         (["--levels", "1", "--batch1-vs", "no-such-stack"], "--batch1-vs: "),
         (["--glue", "fused"], "--glue 'fused': each one of torch, triton"),
-        (["--glue", "torch,triton"], "--glue triton needs --attention triton and --kv model"),
+        (["--glue", "torch,triton"], "--glue triton needs --attention triton alone"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

@@ -352,8 +352,9 @@ class BatchedDecoder:
         projection, one kernel rotating every row's q and k at its own position and writing k
         and v into its cache row, the attention kernel, one SwiGLU kernel and the two output
         GEMMs adding into the residual; seven launches where the torch glue takes about
-        thirty (fp32 casts, the rotary's slices and stacks, two cache writes). The same fp32
-        maths, rounded to the model dtype at the same points (exact up to rounding order)."""
+        thirty (fp32 casts, the rotary's slices and stacks, two cache writes; with kv fp8,
+        eighteen more for the quantization). The same fp32 maths, rounded to the model dtype
+        at the same points (exact up to rounding order); an fp8 cache gets the same bytes."""
         from orchestrate.techniques.rumik.kernels.rope_norm import (
             layer_norm as norm_kernel,
         )
@@ -366,13 +367,16 @@ class BatchedDecoder:
             xn = norm_kernel(x, norm_w, self.eps)
             q, k, v, gate, up = self.proj.qkvgu(i, xn)
             k_cache, v_cache = self.k[i, :b], self.v[i, :b]
+            scales = {}
+            if self.kv == "fp8":  # written by the rotary kernel, read by attention
+                scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
             q = rope_and_cache_write_rows(
                 q.view(b, self.hq, self.d), k.view(b, self.hkv, self.d),
                 v.view(b, self.hkv, self.d), k_cache, v_cache, pos, self.cos_pairs,
-                self.sin_pairs, rotary=self.sliding[i],
+                self.sin_pairs, rotary=self.sliding[i], **scales,
             )  # fmt: skip
             span = self.window if self.sliding[i] else 0
-            attn = self.attention(q, k_cache, v_cache, pos, window=span, length_offset=1)
+            attn = self.attention(q, k_cache, v_cache, pos, window=span, length_offset=1, **scales)
             x = self._residual(i, x, attn.view(b, self.hq * self.d), swiglu_rows(gate, up))
         return norm_kernel(x, self.final_norm, self.eps)
 
@@ -446,8 +450,6 @@ def glue_refusal(glue: str, attention: str, kv: str) -> str | None:
         return f"glue {glue!r}: one of {', '.join(GLUE)}"
     if glue == "triton" and attention != "triton":
         return "glue 'triton' needs attention 'triton' (a CUDA step of kernels throughout)"
-    if glue == "triton" and kv != "model":
-        return "glue 'triton' writes the cache in the model's dtype; kv 'fp8' needs glue 'torch'"
     return None
 
 

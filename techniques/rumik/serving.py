@@ -62,7 +62,8 @@ class BatchedDecodeParams(TechniqueParams):
         "torch",
         description="torch: eager ops between the projections and attention (norms, rotary, "
         "cache writes, SwiGLU); triton: one kernel each (about seven launches a layer "
-        "instead of thirty; exact up to rounding order; needs attention triton, kv model).",
+        "instead of thirty; exact up to rounding order; needs attention triton; with kv fp8 "
+        "the rotary kernel quantizes what it writes).",
     )
     codec: Literal["sync", "overlap"] = Field(
         "sync",

@@ -185,10 +185,13 @@ def add_layer_norm(
 
 @triton.jit
 def _rotate_heads(
-    src_ptr, dst_ptr, stride_src, stride_dst, cos, sin, n_heads, ok,
-    H_PAD: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr,
+    src_ptr, dst_ptr, stride_src, stride_dst, cos, sin, n_heads, ok, scale_ptr, stride_scale,
+    H_PAD: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
-    """Rotate [n_heads, 2*HALF] rows (pairs 2i, 2i+1) from src into dst (dst may be src)."""
+    """Rotate [n_heads, 2*HALF] rows (pairs 2i, 2i+1) from src into dst (dst may be src).
+    QUANT: dst is e4m3 and each row is stored as quantize_rows stores it: rounded to src's
+    dtype first (what an unfused write would quantize), its largest |value| mapped to 448,
+    its float32 scale written at scale_ptr + head * stride_scale."""
     h = tl.arange(0, H_PAD)
     i = tl.arange(0, HALF)
     m = (h < n_heads)[:, None] & ok
@@ -200,6 +203,14 @@ def _rotate_heads(
         o = odd.to(tl.float32)
         even = e * cos[None, :] - o * sin[None, :]
         odd = o * cos[None, :] + e * sin[None, :]
+    if QUANT:
+        e = even.to(src_ptr.dtype.element_ty).to(tl.float32)
+        o = odd.to(src_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(e), axis=1), tl.max(tl.abs(o), axis=1))
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        even = tl.clamp(e / scale[:, None], -448.0, 448.0)
+        odd = tl.clamp(o / scale[:, None], -448.0, 448.0)
+        tl.store(scale_ptr + h * stride_scale, scale, mask=(h < n_heads) & ok)
     dst = dst_ptr + h[:, None] * stride_dst + 2 * i[None, :]
     tl.store(dst, even.to(dst_ptr.dtype.element_ty), mask=m)
     tl.store(dst + 1, odd.to(dst_ptr.dtype.element_ty), mask=m)
@@ -211,8 +222,9 @@ def _rope_cache_kernel(
     HQ, HKV, S_MAX, TABLE_LEN,
     stride_q, stride_k, stride_v, stride_qo, stride_kch, stride_kcs, stride_vch, stride_vcs,
     stride_qr, stride_kr, stride_vr, stride_qor, stride_kcr, stride_vcr, stride_pos,
+    ks_ptr, vs_ptr, stride_sr, stride_sh,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
-    ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
+    ROTARY: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # Three programs per row, one per tensor (q; k into the cache; v into the cache), each
     # with one dependent chain (position -> cos/sin -> rotate -> store). Measured neutral
@@ -233,17 +245,19 @@ def _rope_cache_kernel(
         cos = tl.load(cos_ptr + pos * HALF + i, mask=in_table, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + i, mask=in_table, other=0.0).to(tl.float32)
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
+    scales = row * stride_sr + pos  # KV_FP8: this row's scales at pos, one per kv head
     if part == 0:
         _rotate_heads(q_ptr + row * stride_qr, q_out_ptr + row * stride_qor, stride_q,
-                      stride_qo, cos, sin, HQ, True, HQ_PAD, HALF, ROTARY)  # fmt: skip
+                      stride_qo, cos, sin, HQ, True, ks_ptr, 0, HQ_PAD, HALF, ROTARY,
+                      False)  # fmt: skip
     elif part == 1:
         _rotate_heads(k_ptr + row * stride_kr, kc_ptr + row * stride_kcr + pos * stride_kcs,
-                      stride_k, stride_kch, cos, sin, HKV, in_cache, HKV_PAD, HALF,
-                      ROTARY)  # fmt: skip
+                      stride_k, stride_kch, cos, sin, HKV, in_cache, ks_ptr + scales,
+                      stride_sh, HKV_PAD, HALF, ROTARY, KV_FP8)  # fmt: skip
     else:
         _rotate_heads(v_ptr + row * stride_vr, vc_ptr + row * stride_vcr + pos * stride_vcs,
-                      stride_v, stride_vch, cos, sin, HKV, in_cache, HKV_PAD, HALF,
-                      False)  # fmt: skip
+                      stride_v, stride_vch, cos, sin, HKV, in_cache, vs_ptr + scales,
+                      stride_sh, HKV_PAD, HALF, False, KV_FP8)  # fmt: skip
 
 
 def rope_cos_sin(
@@ -364,8 +378,9 @@ def rope_and_cache_write(
         q2.stride(0), k2.stride(0), v2.stride(0), qo.stride(0),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         0, 0, 0, 0, 0, 0, 0,  # one row
+        kc, vc, 0, 0,  # no scales: a cache in the model's dtype
         HQ_PAD=next_pow2(max(2, q2.shape[0])), HKV_PAD=next_pow2(max(2, k2.shape[0])),
-        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl,
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl, KV_FP8=False,
         **launch_options(use_pdl, 4),
     )  # fmt: skip
     return q_out
@@ -383,10 +398,14 @@ def rope_and_cache_write_rows(
     *,
     rotary: bool = True,
     q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rope_and_cache_write` for B rows at once: row r's q [B, Hq, D] and k [B, Hkv, D]
     rotated at its own device position pos[r], its k and v written into cache row r
-    ([B, Hkv, S_max, D]) at pos[r]. One launch of 3 x B programs."""
+    ([B, Hkv, S_max, D]) at pos[r]. One launch of 3 x B programs. With e4m3 caches and
+    their float32 scales [B, Hkv, S_max] (batched_decode's `kv: fp8`), each key and value
+    vector is written as quantize_rows writes it, its scale beside it."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
             "rope_and_cache_write_rows: q, k, v must be [B, H, D] and the caches "
@@ -401,7 +420,8 @@ def rope_and_cache_write_rows(
         if t.stride(-1) != 1:
             raise ValueError(f"rope_and_cache_write_rows: {name} must have a contiguous last dim")
     check_device("rope_and_cache_write_rows", q, k, v, k_cache, v_cache, pos, cos, sin)
-    for t in (q, k, v, k_cache, v_cache, cos, sin):
+    fp8 = _check_fp8_scales(k_cache, v_cache, k_scale, v_scale)
+    for t in (q, k, v, cos, sin) if fp8 else (q, k, v, k_cache, v_cache, cos, sin):
         check_dtype("rope_and_cache_write_rows", t, FLOAT_DTYPES)
     _check_rope(q[0], k[0], k_cache[0], v_cache[0], cos)
     if sin.shape != cos.shape:
@@ -418,11 +438,41 @@ def rope_and_cache_write_rows(
         kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0),
         kc.stride(0), vc.stride(0), pos.stride(0),
+        k_scale if fp8 else kc, v_scale if fp8 else vc,  # unread unless fp8
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         HQ_PAD=next_pow2(max(2, q.shape[1])), HKV_PAD=next_pow2(max(2, k.shape[1])),
-        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False,
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False, KV_FP8=fp8,
         **launch_options(False, 4),
     )  # fmt: skip
     return q_out
+
+
+def _check_fp8_scales(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """True for e4m3 caches with their scales (checked), False for caches without."""
+    fp8 = torch.float8_e4m3fn
+    if k_scale is None and v_scale is None:
+        if k_cache.dtype == fp8 or v_cache.dtype == fp8:
+            raise ValueError("rope_and_cache_write_rows: e4m3 caches need k_scale and v_scale")
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("rope_and_cache_write_rows: give both k_scale and v_scale, or neither")
+    if k_cache.dtype != fp8 or v_cache.dtype != fp8:
+        raise ValueError("rope_and_cache_write_rows: scales go with float8_e4m3fn caches")
+    want = k_cache.shape[:3]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.shape != want or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"rope_and_cache_write_rows: {name} must be float32 {tuple(want)} with a "
+                f"contiguous last dim, got {t.dtype} {tuple(t.shape)}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("rope_and_cache_write_rows: k_scale and v_scale must share strides")
+    return True
 
 
 def rope_and_cache_write_rows_ref(
@@ -436,11 +486,24 @@ def rope_and_cache_write_rows_ref(
     sin: torch.Tensor,
     *,
     rotary: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference: `rope_and_cache_write_ref` row by row."""
-    return torch.stack([
-        rope_and_cache_write_ref(
-            q[r], k[r], v[r], k_cache[r], v_cache[r], p, cos, sin, rotary=rotary
-        )
-        for r, p in enumerate(pos)
-    ])  # fmt: skip
+    """Reference: `rope_and_cache_write_ref` row by row; with scales, each key and value
+    vector quantized as quantize_rows does (largest |value| -> 448, float32 scale)."""
+    if k_scale is None or v_scale is None:
+        return torch.stack([
+            rope_and_cache_write_ref(
+                q[r], k[r], v[r], k_cache[r], v_cache[r], p, cos, sin, rotary=rotary
+            )
+            for r, p in enumerate(pos)
+        ])  # fmt: skip
+    out = []
+    for r, p in enumerate(pos):
+        out.append(rotary_ref(q[r], p, cos, sin) if rotary else q[r].clone())
+        k_new = rotary_ref(k[r], p, cos, sin) if rotary else k[r]
+        for cache, scales, x in ((k_cache, k_scale, k_new), (v_cache, v_scale, v[r])):
+            scale = x.abs().amax(-1).float().clamp(min=1e-12) / 448.0
+            cache[r, :, p] = (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(cache.dtype)
+            scales[r, :, p] = scale
+    return torch.stack(out)
