@@ -2,8 +2,11 @@
 projections (q,k,v,gate,up packed; o; down), three ways:
 
   bf16:       F.linear over the bf16 weights (what the exact server runs)
-  fp8:        fp8_linear: each activation row quantized (amax, scale, cast), then
-              torch._scaled_mm with row-wise scales (what fp8_projections runs)
+  fp8:        fp8_linear: each activation row quantized by one kernel
+              (kernels/fp8_rows.py), then torch._scaled_mm with row-wise scales (what
+              fp8_projections runs)
+  fp8_torch_quant: the same with the quantization in torch's ops (nine kernels; what
+              fp8_projections ran before the kernel)
   fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
               share: what a quantization fused into the producing kernel would leave)
 
@@ -45,6 +48,12 @@ def fp8_full(xs: list[torch.Tensor], weights: list[Fp8Weight]) -> None:
         fp8_linear(x, w, emulate=False)
 
 
+def fp8_torch_quant(xs: list[torch.Tensor], weights: list[Fp8Weight]) -> None:
+    for x, w in zip(xs, weights, strict=True):
+        q, s = quantize_rows(x)
+        torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale, out_dtype=torch.bfloat16)
+
+
 def fp8_gemm(xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weight]) -> None:
     for (q, s), w in zip(xq, weights, strict=True):
         torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale, out_dtype=torch.bfloat16)
@@ -71,6 +80,7 @@ def main() -> None:
         ways = {
             "bf16": functools.partial(bf16, xs, weights),
             "fp8": functools.partial(fp8_full, xs, fp8),
+            "fp8_torch_quant": functools.partial(fp8_torch_quant, xs, fp8),
             "fp8_gemm": functools.partial(fp8_gemm, xq, fp8),
         }
         graphs = {name: warm_and_capture(fn, warmups=2)[0] for name, fn in ways.items()}
@@ -80,13 +90,15 @@ def main() -> None:
             "rows": b,
             "median_ms_per_step": med,
             "fp8_over_bf16": med["fp8"] / med["bf16"],
+            "fp8_torch_quant_over_bf16": med["fp8_torch_quant"] / med["bf16"],
             "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
             "replays": args.replays,
         }
         doc["levels"].append(level)
         print(
             f"rows {b:4d}: bf16 {med['bf16']:.3f} ms, fp8 {med['fp8']:.3f} ms "
-            f"({level['fp8_over_bf16']:.3f}x), fp8 GEMM alone {med['fp8_gemm']:.3f} ms "
+            f"({level['fp8_over_bf16']:.3f}x; torch's quantization "
+            f"{level['fp8_torch_quant_over_bf16']:.3f}x), fp8 GEMM alone {med['fp8_gemm']:.3f} ms "
             f"({level['fp8_gemm_over_bf16']:.3f}x)",
             flush=True,
         )

@@ -66,9 +66,9 @@ with _interpreter(not CUDA and IN_PROCESS):
     require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
-        ep, gemv, attn, battn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue",
+        ep, gemv, attn, battn, samp, rn, g6, sw, fg, fq = (_load(n) for n in ("epilogue",
             "int8_gemv", "decode_attention", "batched_attention", "sampler", "rope_norm",
-            "int6_gemv", "swiglu", "fused_gemv"))  # fmt: skip
+            "int6_gemv", "swiglu", "fused_gemv", "fp8_rows"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
         sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
@@ -691,6 +691,29 @@ def test_kernel_glue_writes_the_fp8_cache_the_torch_glue_writes() -> None:
     for x, y in ((a.k[0], b.k[0]), (a.v[0], b.v[0])):
         assert_fp8_agree(y[written[0]], x[written[0]])
     assert rel_err(b.k_scale, a.k_scale) < 1e-2 and rel_err(b.v_scale, a.v_scale) < 1e-2
+
+
+@pytest.mark.parametrize("width", [2048, 11008])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_fp8_is_quantize_rows_in_one_kernel(width: int, dtype: torch.dtype) -> None:
+    """The kernel against fp8_projections.quantize_rows on strided rows (column slices of a
+    wider output) of different magnitudes: the same scales, the same e4m3 bytes (on the
+    CPU, but for the interpreter's dropped carries: assert_fp8_agree)."""
+    from orchestrate.techniques.rumik.fp8_projections import quantize_rows
+
+    wide = randn(3, width + 40, dtype=dtype) * torch.tensor([[0.01], [1.0], [300.0]], device=DEVICE)
+    x = wide[:, 8 : 8 + width]
+    q, scale = fq.quantize_rows_fp8(x)
+    q_ref, scale_ref = quantize_rows(x)
+    assert q.shape == x.shape and scale.shape == (3, 1)
+    assert torch.equal(scale, scale_ref)
+    if CUDA:
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert_fp8_agree(q, q_ref)
+    with pytest.raises(ValueError, match=r"must be \[M, K\]"):
+        fq.quantize_rows_fp8(x[None])
+    with pytest.raises(ValueError, match="rows of 1..16384 values"):
+        fq.quantize_rows_fp8(randn(1, 16385, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, beyond it is NaN
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., k] -> (e4m3 [..., k], float32 scales [..., 1]), x ~ q * scale, each row's
     (last dim's) largest |value| mapped to FP8_MAX. No host synchronisation
-    (graph-capturable); nine kernels on a GPU, unfused."""
+    (graph-capturable); nine kernels on a GPU, unfused (`quantize_activations` runs
+    kernels/fp8_rows.py's one kernel there instead, the same values)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -57,10 +58,20 @@ class Fp8Weight:
         return [self.q, self.scale]
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of x [m, k] rows: one Triton kernel on CUDA (kernels/fp8_rows.py,
+    the same values: a GPU test compares them), torch's ops elsewhere."""
+    if x.is_cuda and x.stride(-1) == 1 and x.shape[-1] <= 16384:
+        from orchestrate.techniques.rumik.kernels.fp8_rows import quantize_rows_fp8
+
+        return quantize_rows_fp8(x)
+    return quantize_rows(x)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool) -> torch.Tensor:
     """x [..., k] @ w.T in FP8 -> [..., n] in x's dtype."""
     lead = x.shape[:-1]
-    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
     if emulate:
         y = (xq.float() * xs) @ (w.q.float() * w.scale.t()).t()
     else:  # row-wise scales need bf16 output; a bf16 model is what the GPU serves

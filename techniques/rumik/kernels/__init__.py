@@ -6,7 +6,10 @@ reference:
 - decode_attention: GQA flash-decoding with a device-side length (decode_attention)
 - sampler: fused top-k sampler with a device-side Philox counter (sample_top_k)
 - rope_norm: (residual add +) LayerNorm, interleaved rotary + KV-cache write
-- swiglu: silu(gate) * up written beside attn, the packed o+down input (swiglu_cat)
+- swiglu: silu(gate) * up written beside attn, the packed o+down input (swiglu_cat), or
+  for a batched step's rows (swiglu_rows)
+- batched_attention: decode attention for many rows, each over its own length
+- fp8_rows: each activation row to e4m3 with its own scale, one launch (quantize_rows_fp8)
 - epilogue: the GEMVs' shared per-channel scale + split-K epilogue (store_scaled) and its
   semaphore pool (split_k_semaphores)
 
@@ -41,6 +44,10 @@ _EXPORTS = {
     "rope_and_cache_write": "rope_norm",
     "swiglu_cat": "swiglu",
     "swiglu_cat_ref": "swiglu",
+    "swiglu_rows": "swiglu",
+    "rope_and_cache_write_rows": "rope_norm",
+    "batched_decode_attention": "batched_attention",
+    "quantize_rows_fp8": "fp8_rows",
 }
 
 __all__ = sorted(_EXPORTS)
