@@ -4,7 +4,8 @@ Fills the `server` slot with a factory for techniques/rumik/batched_server.py's
 continuous-batching server: a static cache of `rows` rows with per-row positions, seeded
 per-row top-k, a CUDA graph per batch bucket (captured in the untimed warm-up), streaming
 Mimi decode per chunk (between steps, or with `codec: overlap` on a side CUDA stream
-while the next step runs). The worker drives it with the workload's load and records per-stream
+while the next step runs; `glue: triton`, the step's norms, rotary, cache writes and SwiGLU as
+one kernel each). The worker drives it with the workload's load and records per-stream
 figures (running/serving.py). APPROXIMATE: the sampler draws stock's top-k distribution
 from another random stream (as device_sampler's), and with `head: codebook` (the default)
 each row samples only codebook step % 8 (codebook_head's); `head: audio` keeps stock's
