@@ -116,3 +116,24 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def check_kv_scales(
+    name: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """True for an FP8 cache given with its scales (float32 [B, Hkv, S_max], a contiguous
+    last dim, one stride layout for both: checked against the cache), False for none."""
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{name}: give both k_scale and v_scale, or neither")
+    want = k_cache.shape[:3]
+    for which, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.shape != want or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: {which} must be float32 {tuple(want)} with a contiguous last dim, "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"{name}: k_scale and v_scale must share strides")
+    return True

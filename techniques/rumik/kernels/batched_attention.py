@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting, next_pow2
+from ._common import check_kv_scales, interpreting, next_pow2
 from .decode_attention import (
     HEAD_DIM,
     LOG2E,
@@ -173,7 +173,7 @@ def batched_decode_attention(
         raise ValueError("batched_decode_attention: lengths must be contiguous, on q's device")
     if window < 0:
         raise ValueError(f"batched_decode_attention: window must be >= 0, got {window}")
-    scaled = _check_scales(k_cache, k_scale, v_scale)
+    scaled = check_kv_scales("batched_decode_attention", k_cache, k_scale, v_scale)
     hq, hkv, _ = _check(q[0], k_cache[0], v_cache[0], num_splits, block_s, kv_fp8=scaled)
     if out is None:
         out = torch.empty_like(q)
@@ -211,26 +211,6 @@ def batched_decode_attention(
             SPLITS_PAD=next_pow2(num_splits), num_warps=4, num_stages=1,
         )  # fmt: skip
     return out
-
-
-def _check_scales(
-    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> bool:
-    """True for an FP8 cache with its scales (checked against the cache), False for none."""
-    if k_scale is None and v_scale is None:
-        return False
-    if k_scale is None or v_scale is None:
-        raise ValueError("batched_decode_attention: give both k_scale and v_scale, or neither")
-    want = k_cache.shape[:3]
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.shape != want or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(
-                f"batched_decode_attention: {name} must be float32 {tuple(want)} with a "
-                f"contiguous last dim, got {t.dtype} {tuple(t.shape)}"
-            )
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("batched_decode_attention: k_scale and v_scale must share strides")
-    return True
 
 
 def batched_decode_attention_ref(

@@ -50,6 +50,7 @@ from ._common import (
     FLOAT_DTYPES,
     check_device,
     check_dtype,
+    check_kv_scales,
     check_scalar_tensor,
     launch_options,
     next_pow2,
@@ -455,23 +456,13 @@ def _check_fp8_scales(
 ) -> bool:
     """True for e4m3 caches with their scales (checked), False for caches without."""
     fp8 = torch.float8_e4m3fn
-    if k_scale is None and v_scale is None:
+    name = "rope_and_cache_write_rows"
+    if not check_kv_scales(name, k_cache, k_scale, v_scale):
         if k_cache.dtype == fp8 or v_cache.dtype == fp8:
-            raise ValueError("rope_and_cache_write_rows: e4m3 caches need k_scale and v_scale")
+            raise ValueError(f"{name}: e4m3 caches need k_scale and v_scale")
         return False
-    if k_scale is None or v_scale is None:
-        raise ValueError("rope_and_cache_write_rows: give both k_scale and v_scale, or neither")
     if k_cache.dtype != fp8 or v_cache.dtype != fp8:
-        raise ValueError("rope_and_cache_write_rows: scales go with float8_e4m3fn caches")
-    want = k_cache.shape[:3]
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.shape != want or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(
-                f"rope_and_cache_write_rows: {name} must be float32 {tuple(want)} with a "
-                f"contiguous last dim, got {t.dtype} {tuple(t.shape)}"
-            )
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("rope_and_cache_write_rows: k_scale and v_scale must share strides")
+        raise ValueError(f"{name}: scales go with float8_e4m3fn caches")
     return True
 
 
