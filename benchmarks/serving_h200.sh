@@ -6,7 +6,8 @@
 #   sustained-runner: serve-gpu-sustained through the runner, the overlap stack;
 #   codec: the streaming codec alone, benchmarks/codec_bench.py, with one profiled decode;
 #   fp8: the step's projections in bf16 and FP8, benchmarks/fp8_gemm.py;
-#   step: the batched step's glue, eager against kernels, profiled, benchmarks/batched_step.py)
+#   step: the batched step's glue, eager against kernels, bf16 cache against FP8, profiled,
+#   benchmarks/batched_step.py; STEP_FP8=1 adds FP8 projections)
 # PROJECTIONS=bf16,fp8 / KV=model,fp8: the rumik part's FP8 paths (approximate) beside the exact.
 # GLUE=torch,triton: the rumik part's step with its glue in kernels (batched_decode glue: triton).
 # BATCH1_VS=exp74-full: the rumik part also times that single-stream stack on the same prompt
@@ -37,7 +38,8 @@ fi
     --rows "${CODEC_ROWS:-32,128,256,512}" --frames 1,4 --profile "${CODEC_PROFILE_ROWS:-512}" \
     --out "$OUT/codec.json" 2>&1 | tee "$OUT/codec.log"
 [[ $parts == *" step "* ]] && timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/batched_step.py \
-    --rows "${STEP_ROWS:-1,64,256,512}" --out "$OUT/batched-step.json" 2>&1 | tee "$OUT/batched-step.log"
+    --rows "${STEP_ROWS:-1,64,256,512}" ${STEP_FP8:+--fp8-projections} \
+    --out "$OUT/batched-step.json" 2>&1 | tee "$OUT/batched-step.log"
 [[ $parts == *" fp8 "* ]] && timeout "${FP8_TIMEOUT:-90}" python3 benchmarks/fp8_gemm.py \
     --rows "${FP8_ROWS:-1,64,256,512}" --out "$OUT/fp8-gemm.json" 2>&1 | tee "$OUT/fp8-gemm.log"
 [[ $parts == *" rumik "* ]] && timeout 270 python3 benchmarks/serving_bench.py --device cuda \
