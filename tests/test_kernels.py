@@ -693,6 +693,77 @@ def test_kernel_glue_writes_the_fp8_cache_the_torch_glue_writes() -> None:
     assert rel_err(b.k_scale, a.k_scale) < 1e-2 and rel_err(b.v_scale, a.v_scale) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_swiglu_kernels_quantize_what_they_would_write(dtype: torch.dtype) -> None:
+    """layer_norm_fp8 and swiglu_rows_fp8 against quantize_rows of the unquantized kernels'
+    output (the norm, the activation, as the model's dtype stores them): the same scales
+    (within the interpreter's bf16 truncation) and e4m3 bytes (assert_fp8_agree)."""
+    from orchestrate.techniques.rumik.fp8_projections import quantize_rows
+
+    x, w = randn(3, 2048, dtype=dtype), (torch.rand(2048, device=DEVICE) + 0.5).to(dtype)
+    out = randn(3, 2 * 3000, dtype=dtype)
+    gate, up = out[:, :3000], out[:, 3000:]
+    cases = (
+        (rn.layer_norm_fp8(x, w), quantize_rows(rn.layer_norm(x, w))),
+        (sw.swiglu_rows_fp8(gate, up), quantize_rows(sw.swiglu_rows(gate, up))),
+    )
+    for (q, scale), (q_ref, scale_ref) in cases:
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == scale_ref.shape == (3, 1)
+        exact = dtype == torch.float32 or CUDA
+        assert rel_err(scale, scale_ref) < (1e-6 if exact else 1e-2)
+        assert_fp8_agree(q, q_ref, steps=0 if exact else 1)
+    with pytest.raises(ValueError, match=r"x must be \[M, N\]"):
+        rn.layer_norm_fp8(x[None], w)
+    with pytest.raises(ValueError, match="rows of at most 16384"):
+        sw.swiglu_rows_fp8(randn(1, 16400, dtype=dtype), randn(1, 16400, dtype=dtype))
+
+
+def test_kernel_glue_quantizes_fp8_projections_inputs_in_its_norm_and_swiglu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """glue='triton' with FP8 projections (emulated on the CPU): the norm's and the SwiGLU's
+    kernels quantize their rows (each called once a layer and step), and the teacher-forced
+    logits match glue='torch' with the same projections (quantize_rows after eager ops):
+    the same quantization, fused. On a GPU within rounding (cosine 0.999); in the CPU
+    interpreter, whose dropped rounding carries halve a few e4m3 values (the kernel tests
+    above bound them), within 0.95."""
+    import torch.nn.functional as F
+
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Packed
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", "Ok, go."]]
+    ids = [model.vocab.codebook_ids(i % 8) for i in range(3)]
+    forced = [[int(ids[i][5 * r + i]) for i in range(3)] for r in range(2)]
+    calls = {"norm": 0, "swiglu": 0}
+    for name, module, fn in (("norm", rn, "layer_norm_fp8"), ("swiglu", sw, "swiglu_rows_fp8")):
+        real = getattr(module, fn)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, fn, counted)
+    proj = Fp8Packed(model, emulate=True)
+    greedy = SamplingConfig(top_k=1)
+    logits = {}
+    for glue in ("torch", "triton"):
+        dec = BatchedDecoder(model, 2, 96, greedy, "triton", projections=proj, glue=glue)
+        with torch.inference_mode():
+            logits[glue] = dec.teacher_forced(prompts, forced)
+    layers = model.config.num_hidden_layers
+    assert calls == {"norm": 3 * layers, "swiglu": 3 * layers}
+    for (a, ia), (c, ic) in zip(logits["torch"], logits["triton"], strict=True):
+        assert torch.equal(ia, ic)
+        assert (F.cosine_similarity(a, c, dim=-1) > (0.999 if CUDA else 0.95)).all()
+
+
 @pytest.mark.parametrize("width", [2048, 11008])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rows_fp8_is_quantize_rows_in_one_kernel(width: int, dtype: torch.dtype) -> None:

@@ -85,6 +85,10 @@ class Projections(abc.ABC):
     # True for projections batched_decode's server may step through (many rows at once);
     # such an object also offers `tensors()`, every tensor its step reads (for memory()).
     serves_rows: bool = False
+    # True for projections that also take activation rows quantized by the caller's
+    # kernels (fp8_projections: `qkvgu_rows(i, xq, xs, dtype)`, `residual_rows(i, x, attn,
+    # aq, a_s)`), so a decoder with kernel glue quantizes inside its norm and SwiGLU.
+    quantized_rows: bool = False
 
     @abc.abstractmethod
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -354,31 +354,39 @@ class BatchedDecoder:
         GEMMs adding into the residual; seven launches where the torch glue takes about
         thirty (fp32 casts, the rotary's slices and stacks, two cache writes; with kv fp8,
         eighteen more for the quantization). The same fp32 maths, rounded to the model dtype
-        at the same points (exact up to rounding order); an fp8 cache gets the same bytes."""
-        from orchestrate.techniques.rumik.kernels.rope_norm import (
-            layer_norm as norm_kernel,
-        )
-        from orchestrate.techniques.rumik.kernels.rope_norm import rope_and_cache_write_rows
-        from orchestrate.techniques.rumik.kernels.swiglu import swiglu_rows
+        at the same points (exact up to rounding order); an fp8 cache gets the same bytes.
+        With projections that take quantized rows (fp8_projections), the norm's and the
+        SwiGLU's kernels also quantize the rows they write, as quantize_rows would."""
+        from orchestrate.techniques.rumik.kernels import rope_norm, swiglu
 
         pos = self.pos[:b]
         x = F.embedding(self.ids[:b], self.embed)  # [b, H]
+        # FP8 projections: the norm's and the SwiGLU's kernels quantize what they write
+        quantized = self.proj.quantized_rows
         for i, norm_w in enumerate(self.norms):
-            xn = norm_kernel(x, norm_w, self.eps)
-            q, k, v, gate, up = self.proj.qkvgu(i, xn)
+            if quantized:
+                xq, xs = rope_norm.layer_norm_fp8(x, norm_w, self.eps)
+                q, k, v, gate, up = self.proj.qkvgu_rows(i, xq, xs, x.dtype)
+            else:
+                q, k, v, gate, up = self.proj.qkvgu(i, rope_norm.layer_norm(x, norm_w, self.eps))
             k_cache, v_cache = self.k[i, :b], self.v[i, :b]
             scales = {}
             if self.kv == "fp8":  # written by the rotary kernel, read by attention
                 scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
-            q = rope_and_cache_write_rows(
+            q = rope_norm.rope_and_cache_write_rows(
                 q.view(b, self.hq, self.d), k.view(b, self.hkv, self.d),
                 v.view(b, self.hkv, self.d), k_cache, v_cache, pos, self.cos_pairs,
                 self.sin_pairs, rotary=self.sliding[i], **scales,
             )  # fmt: skip
             span = self.window if self.sliding[i] else 0
             attn = self.attention(q, k_cache, v_cache, pos, window=span, length_offset=1, **scales)
-            x = self._residual(i, x, attn.view(b, self.hq * self.d), swiglu_rows(gate, up))
-        return norm_kernel(x, self.final_norm, self.eps)
+            attn = attn.view(b, self.hq * self.d)
+            if quantized:
+                aq, a_s = swiglu.swiglu_rows_fp8(gate, up)
+                x = self.proj.residual_rows(i, x, attn, aq, a_s)
+            else:
+                x = self._residual(i, x, attn, swiglu.swiglu_rows(gate, up))
+        return rope_norm.layer_norm(x, self.final_norm, self.eps)
 
     def _logits(
         self, hidden: torch.Tensor, count: torch.Tensor

@@ -68,15 +68,22 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool) -> torch.Tensor:
-    """x [..., k] @ w.T in FP8 -> [..., n] in x's dtype."""
-    lead = x.shape[:-1]
-    xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
+def fp8_matmul(
+    xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, emulate: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """Quantized rows xq [m, k] (scales xs [m, 1]) @ w.T -> [m, n] in `dtype`."""
     if emulate:
         y = (xq.float() * xs) @ (w.q.float() * w.scale.t()).t()
     else:  # row-wise scales need bf16 output; a bf16 model is what the GPU serves
         y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=torch.bfloat16)
-    return y.to(x.dtype).view(*lead, -1)
+    return y.to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool) -> torch.Tensor:
+    """x [..., k] @ w.T in FP8 -> [..., n] in x's dtype."""
+    lead = x.shape[:-1]
+    xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return fp8_matmul(xq, xs, w, emulate, x.dtype).view(*lead, -1)
 
 
 class Fp8Packed(Projections):
@@ -84,6 +91,7 @@ class Fp8Packed(Projections):
     down_proj as two; `serves_rows`: batched_decode's step may read it."""
 
     serves_rows = True
+    quantized_rows = True  # qkvgu_rows / residual_rows: rows quantized by the caller's kernels
 
     @torch.no_grad()
     def __init__(self, model: RumikModel, emulate: bool | None = None):
@@ -111,6 +119,22 @@ class Fp8Packed(Projections):
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(fp8_linear(xn, self.w_in[i], self.emulate).split(self.sizes, dim=-1))
+
+    def qkvgu_rows(
+        self, i: int, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, ...]:
+        """`qkvgu` of the normed rows already quantized (xq [m, H] e4m3, xs [m, 1]): what
+        qkvgu computes from the norm, its quantization done by the norm's kernel."""
+        y = fp8_matmul(xq, xs, self.w_in[i], self.emulate, dtype)
+        return tuple(y.split(self.sizes, dim=-1))
+
+    def residual_rows(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, aq: torch.Tensor, a_s: torch.Tensor
+    ) -> torch.Tensor:
+        """`residual` with the MLP activation already quantized (aq [m, F] e4m3, a_s [m,
+        1]) by the SwiGLU's kernel; attn is quantized here."""
+        o = fp8_linear(attn, self.w_o[i], self.emulate)
+        return x + (o + fp8_matmul(aq, a_s, self.w_down[i], self.emulate, x.dtype))
 
     def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """o_proj(attn) + down_proj(act), without the residual."""

@@ -71,8 +71,9 @@ MAX_HEAD_DIM = 256
 @triton.jit
 def _layer_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
-    stride_x, stride_r, stride_o, stride_s,
+    stride_x, stride_r, stride_o, stride_s, scale_ptr,
     BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -92,6 +93,11 @@ def _layer_norm_kernel(
     xc = tl.where(m, x - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
     y = xc * tl.rsqrt(var + eps) * w
+    if QUANT:  # quantize_rows of the norm as the model's dtype stores it (out is e4m3)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+        y = tl.clamp(y / scale, -448.0, 448.0)
+        tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -146,11 +152,37 @@ def _norm(
     block = next_pow2(n)
     _layer_norm_kernel[(x2.shape[0],)](
         x2, r2, weight.contiguous(), o2, s2, n, float(eps),
-        x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
-        BLOCK_N=block, HAS_RES=residual is not None, USE_PDL=use_pdl,
+        x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), o2,
+        BLOCK_N=block, HAS_RES=residual is not None, USE_PDL=use_pdl, QUANT=False,
         **launch_options(use_pdl, 4 if block <= 4096 else 8),
     )  # fmt: skip
     return out, s
+
+
+def layer_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer_norm` of each row of x [M, N], quantized as fp8_projections.quantize_rows
+    quantizes the norm the model's dtype stores: (e4m3 [M, N], float32 scales [M, 1]). One
+    launch, where the norm and then the quantization take two (APPROXIMATE by design: for
+    FP8 projections)."""
+    check_device("layer_norm_fp8", x, weight)
+    for t in (x, weight):
+        check_dtype("layer_norm_fp8", t, FLOAT_DTYPES)
+    n = x.shape[-1]
+    if x.dim() != 2 or weight.numel() != n or not 1 <= n <= MAX_NORM_WIDTH:
+        raise ValueError(f"layer_norm_fp8: x must be [M, N], N <= {MAX_NORM_WIDTH}, N = weight")
+    x2 = _rows("layer_norm_fp8 x", x, n)
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    block = next_pow2(n)
+    _layer_norm_kernel[(x2.shape[0],)](
+        x2, x2, weight.contiguous(), q, q, n, float(eps),
+        x2.stride(0), x2.stride(0), q.stride(0), q.stride(0), scale,
+        BLOCK_N=block, HAS_RES=False, USE_PDL=False, QUANT=True,
+        **launch_options(False, 4 if block <= 4096 else 8),
+    )  # fmt: skip
+    return q, scale
 
 
 def layer_norm(

@@ -34,6 +34,7 @@ from ._common import (
     check_dtype,
     check_row,
     launch_options,
+    next_pow2,
     patch_interpreter_scalars,
     pdl_enabled,
 )
@@ -138,3 +139,48 @@ def swiglu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         BLOCK=BLOCK, **launch_options(False, 4),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _swiglu_rows_fp8_kernel(
+    gate_ptr, up_ptr, q_ptr, scale_ptr, F_DIM, stride_g, stride_u, stride_q,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < F_DIM
+    act = _silu_mul(gate_ptr + row * stride_g + offs, up_ptr + row * stride_u + offs, m,
+                    gate_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+    scale = tl.maximum(tl.max(tl.abs(act), axis=0), 1e-12) / 448.0
+    q = tl.clamp(act / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(scale_ptr + row, scale)
+
+
+MAX_FP8_WIDTH = 16384  # one row in one program's registers
+
+
+def swiglu_rows_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`swiglu_rows`, each row then quantized as fp8_projections.quantize_rows quantizes
+    the activation the model's dtype stores: (e4m3 [B, F], float32 scales [B, 1]) for an
+    FP8 down_proj, in one launch (APPROXIMATE by design)."""
+    check_device("swiglu_rows_fp8", gate, up)
+    for name, t in (("gate", gate), ("up", up)):
+        check_dtype(f"swiglu_rows_fp8 {name}", t, FLOAT_DTYPES)
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"swiglu_rows_fp8: {name} must be [B, F] with a contiguous last dim")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"swiglu_rows_fp8: gate {tuple(gate.shape)} {gate.dtype} and up "
+            f"{tuple(up.shape)} {up.dtype} differ"
+        )
+    b, f = gate.shape
+    if f > MAX_FP8_WIDTH:
+        raise ValueError(f"swiglu_rows_fp8: rows of at most {MAX_FP8_WIDTH} values, got {f}")
+    q = torch.empty((b, f), dtype=torch.float8_e4m3fn, device=gate.device)
+    scale = torch.empty((b, 1), dtype=torch.float32, device=gate.device)
+    _swiglu_rows_fp8_kernel[(b,)](
+        gate, up, q, scale, f, gate.stride(0), up.stride(0), q.stride(0),
+        BLOCK=next_pow2(f), num_warps=16,
+    )  # fmt: skip
+    return q, scale
