@@ -167,8 +167,9 @@ def main() -> None:
             "triton": "kernel glue, bf16 cache (exact up to rounding order)",
             "torch_kv8": "eager glue, FP8 cache quantized by quantize_rows (APPROXIMATE)",
             "triton_kv8": "kernel glue, FP8 cache quantized by the rotary kernel (APPROXIMATE)",
-            "triton_kv8_fp8": "triton_kv8 with fp8_projections: e4m3 weights, activations "
-            "quantized per row by kernels/fp8_rows.py, torch._scaled_mm (APPROXIMATE)",
+            "triton_kv8_fp8": "triton_kv8 with fp8_projections: e4m3 weights, activation "
+            "rows quantized by the norm's and SwiGLU's kernels and (attention's output) "
+            "kernels/fp8_rows.py, torch._scaled_mm (APPROXIMATE)",
         },
         "ceilings": ceil,
         "weights_read_bytes": weights,
