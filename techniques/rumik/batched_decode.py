@@ -94,7 +94,7 @@ class BatchedDecoder:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
         if kv == "fp8" and self.attention is None:
             raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
-        if why := glue_refusal(glue, attention, kv):
+        if why := glue_refusal(glue, attention):
             raise ValueError(why)
         self.kv, self.glue = kv, glue
         dev, dt = lm.device, lm.dtype
@@ -452,8 +452,8 @@ class BatchedDecoder:
         return torch.where(may_end & stop, end_col, col)
 
 
-def glue_refusal(glue: str, attention: str, kv: str) -> str | None:
-    """Why `glue` cannot serve with this attention and cache, or None."""
+def glue_refusal(glue: str, attention: str) -> str | None:
+    """Why `glue` cannot serve with this attention, or None."""
     if glue not in GLUE:
         return f"glue {glue!r}: one of {', '.join(GLUE)}"
     if glue == "triton" and attention != "triton":

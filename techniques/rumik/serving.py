@@ -79,7 +79,7 @@ class BatchedDecodeParams(TechniqueParams):
             raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
         from orchestrate.techniques.rumik.batched_decode import glue_refusal
 
-        if why := glue_refusal(self.glue, self.attention, self.kv):
+        if why := glue_refusal(self.glue, self.attention):
             raise ValueError(why)
         return self
 
