@@ -66,9 +66,10 @@ with _interpreter(not CUDA and IN_PROCESS):
     require_or_skip("triton", gpu=True)  # on a CUDA host, or in CI: a failure
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
-        ep, gemv, attn, battn, samp, rn, g6, sw, fg, fq = (_load(n) for n in ("epilogue",
-            "int8_gemv", "decode_attention", "batched_attention", "sampler", "rope_norm",
-            "int6_gemv", "swiglu", "fused_gemv", "fp8_rows"))  # fmt: skip
+        # fp8_rows before rope_norm and swiglu, which import its row quantizer
+        ep, fq, gemv, attn, battn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue",
+            "fp8_rows", "int8_gemv", "decode_attention", "batched_attention", "sampler",
+            "rope_norm", "int6_gemv", "swiglu", "fused_gemv"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
         sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection

@@ -61,10 +61,11 @@ class Fp8Weight:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` of x [m, k] rows: one Triton kernel on CUDA (kernels/fp8_rows.py,
     the same values: a GPU test compares them), torch's ops elsewhere."""
-    if x.is_cuda and x.stride(-1) == 1 and x.shape[-1] <= 16384:
-        from orchestrate.techniques.rumik.kernels.fp8_rows import quantize_rows_fp8
+    if x.is_cuda:
+        from orchestrate.techniques.rumik.kernels import fp8_rows
 
-        return quantize_rows_fp8(x)
+        if x.stride(-1) == 1 and x.shape[-1] <= fp8_rows.MAX_WIDTH:
+            return fp8_rows.quantize_rows_fp8(x)
     return quantize_rows(x)
 
 

@@ -32,6 +32,15 @@ MAX_WIDTH = 16384
 
 
 @triton.jit
+def e4m3_row(x):
+    """One row x [BLOCK] in float32 (masked lanes 0) -> (x / scale clamped to +-448, ready
+    to store as e4m3; scale): quantize_rows' maths. Shared by every kernel that quantizes
+    the row it writes (here, rope_norm.layer_norm_fp8, swiglu.swiglu_rows_fp8)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    return tl.clamp(x / scale, -448.0, 448.0), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -39,8 +48,7 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q, scale = e4m3_row(x)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(scale_ptr + row, scale)
 

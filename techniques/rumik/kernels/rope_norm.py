@@ -57,6 +57,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
+from .fp8_rows import e4m3_row
 
 patch_interpreter_scalars()
 
@@ -94,9 +95,7 @@ def _layer_norm_kernel(
     var = tl.sum(xc * xc, axis=0) / N
     y = xc * tl.rsqrt(var + eps) * w
     if QUANT:  # quantize_rows of the norm as the model's dtype stores it (out is e4m3)
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
-        y = tl.clamp(y / scale, -448.0, 448.0)
+        y, scale = e4m3_row(y.to(x_ptr.dtype.element_ty).to(tl.float32))
         tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 

@@ -38,6 +38,7 @@ from ._common import (
     patch_interpreter_scalars,
     pdl_enabled,
 )
+from .fp8_rows import MAX_WIDTH, e4m3_row
 
 patch_interpreter_scalars()
 
@@ -118,22 +119,27 @@ def _swiglu_rows_kernel(
     tl.store(out_ptr + row * stride_o + offs, act, mask=m)
 
 
+def _gate_up_rows(name: str, gate: torch.Tensor, up: torch.Tensor) -> tuple[int, int]:
+    """(B, F) of gate and up, checked: [B, F] each, one shape and dtype, contiguous last dim."""
+    check_device(name, gate, up)
+    for which, t in (("gate", gate), ("up", up)):
+        check_dtype(f"{name} {which}", t, FLOAT_DTYPES)
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"{name}: {which} must be [B, F] with a contiguous last dim")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"{name}: gate {tuple(gate.shape)} {gate.dtype} and up "
+            f"{tuple(up.shape)} {up.dtype} differ"
+        )
+    return gate.shape[0], gate.shape[1]
+
+
 def swiglu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for B rows [B, F] (strided rows: column slices of a batched packed
     projection's output), in one launch: what a batched decode step's MLP multiplies by
     down_proj."""
-    device = check_device("swiglu_rows", gate, up)
-    for name, t in (("gate", gate), ("up", up)):
-        check_dtype(f"swiglu_rows {name}", t, FLOAT_DTYPES)
-        if t.dim() != 2 or t.stride(-1) != 1:
-            raise ValueError(f"swiglu_rows: {name} must be [B, F] with a contiguous last dim")
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(
-            f"swiglu_rows: gate {tuple(gate.shape)} {gate.dtype} and up "
-            f"{tuple(up.shape)} {up.dtype} differ"
-        )
-    b, f = gate.shape
-    out = torch.empty((b, f), dtype=gate.dtype, device=device)
+    b, f = _gate_up_rows("swiglu_rows", gate, up)
+    out = torch.empty((b, f), dtype=gate.dtype, device=gate.device)
     _swiglu_rows_kernel[(cdiv(f, BLOCK), b)](
         gate, up, out, f, gate.stride(0), up.stride(0), out.stride(0),
         BLOCK=BLOCK, **launch_options(False, 4),
@@ -150,33 +156,19 @@ def _swiglu_rows_fp8_kernel(
     offs = tl.arange(0, BLOCK)
     m = offs < F_DIM
     act = _silu_mul(gate_ptr + row * stride_g + offs, up_ptr + row * stride_u + offs, m,
-                    gate_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-    scale = tl.maximum(tl.max(tl.abs(act), axis=0), 1e-12) / 448.0
-    q = tl.clamp(act / scale, -448.0, 448.0)
+                    gate_ptr.dtype.element_ty)  # fmt: skip
+    q, scale = e4m3_row(act.to(tl.float32))
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(scale_ptr + row, scale)
-
-
-MAX_FP8_WIDTH = 16384  # one row in one program's registers
 
 
 def swiglu_rows_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`swiglu_rows`, each row then quantized as fp8_projections.quantize_rows quantizes
     the activation the model's dtype stores: (e4m3 [B, F], float32 scales [B, 1]) for an
     FP8 down_proj, in one launch (APPROXIMATE by design)."""
-    check_device("swiglu_rows_fp8", gate, up)
-    for name, t in (("gate", gate), ("up", up)):
-        check_dtype(f"swiglu_rows_fp8 {name}", t, FLOAT_DTYPES)
-        if t.dim() != 2 or t.stride(-1) != 1:
-            raise ValueError(f"swiglu_rows_fp8: {name} must be [B, F] with a contiguous last dim")
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(
-            f"swiglu_rows_fp8: gate {tuple(gate.shape)} {gate.dtype} and up "
-            f"{tuple(up.shape)} {up.dtype} differ"
-        )
-    b, f = gate.shape
-    if f > MAX_FP8_WIDTH:
-        raise ValueError(f"swiglu_rows_fp8: rows of at most {MAX_FP8_WIDTH} values, got {f}")
+    b, f = _gate_up_rows("swiglu_rows_fp8", gate, up)
+    if f > MAX_WIDTH:
+        raise ValueError(f"swiglu_rows_fp8: rows of at most {MAX_WIDTH} values, got {f}")
     q = torch.empty((b, f), dtype=torch.float8_e4m3fn, device=gate.device)
     scale = torch.empty((b, 1), dtype=torch.float32, device=gate.device)
     _swiglu_rows_fp8_kernel[(b,)](
