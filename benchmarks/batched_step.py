@@ -16,8 +16,9 @@ unrounded, beside the GPU, versions and git SHA:
 - `kernels_per_step` and GPU ms per step by kernel group, from torch.profiler over graph
   replays (`--profile-rows`);
 - `floor_ms`: the step's physical floor on this GPU, from rates measured in this run (HBM
-  read: a 2 GiB amax; bf16 tensor cores: an 8192^3 matmul): max(bytes / read rate, FLOPs /
-  matmul rate), bytes = the weights the step reads + every row's K/V up to `--context` in
+  read: environment.read_bandwidth_gb_s, a 2 GiB amax; bf16 tensor cores: the
+  environment's matmul_tflop_s, an 8192^3 matmul): max(bytes / read rate, FLOPs / matmul
+  rate), bytes = the weights the step reads + every row's K/V up to `--context` in
   the bf16 cache, FLOPs = 2 x the projection and head weights' elements x rows (attention's
   FLOPs left out: small at this context). `of_floor` = floor_ms / median ms; the FP8
   cache's floor is lower (half the cache bytes): `floor_ms_kv8`.
@@ -36,7 +37,7 @@ import torch
 from orchestrate.api.config import ModelSpec, SamplingConfig
 from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.api.registry import get_family
-from orchestrate.running.environment import capture
+from orchestrate.running.environment import capture, read_bandwidth_gb_s
 from orchestrate.techniques.rumik.batched_decode import GLUE, BatchedDecoder
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
@@ -56,20 +57,6 @@ def group_of(name: str) -> str:
         if any(f in name for f in fragments):
             return group
     return "other"
-
-
-def ceilings(dev: torch.device) -> dict[str, float]:
-    """This GPU's HBM read rate (bytes/s: an amax over 2 GiB, read once, nothing written
-    but one value) and bf16 matmul rate (FLOP/s)."""
-    a = torch.ones(1 << 30, dtype=torch.bfloat16, device=dev)  # 2 GiB
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    read = warm_and_capture(lambda: a.amax())[0]
-    mm = warm_and_capture(lambda: x @ x)[0]
-    t = interleaved_replay_ms({"read": read, "mm": mm}, 20)
-    return {
-        "read_bytes_per_s": a.numel() * 2 / (statistics.median(t["read"]) / 1e3),
-        "bf16_flop_per_s": 2 * 8192**3 / (statistics.median(t["mm"]) / 1e3),
-    }
 
 
 def profile(graphs: dict[str, torch.cuda.CUDAGraph], replays: int) -> dict[str, dict]:
@@ -156,9 +143,13 @@ def main() -> None:
     weights = dec.memory()["weights_read"]
     matmul_elems = sum(t.numel() for t in dec.proj.tensors()) + dec.head_w.numel()
     # (the floors are the bf16 step's; an FP8 GEMM's rate is not measured here)
-    ceil = ceilings(dev)
+    env = capture("cuda", "none", torch.bfloat16)  # measures the bf16 matmul rate
+    ceil = {
+        "read_bytes_per_s": read_bandwidth_gb_s("cuda") * 1e9,
+        "bf16_flop_per_s": env.matmul_tflop_s * 1e12,
+    }
     doc: dict = {
-        "environment": capture("cuda", "none", torch.bfloat16).model_dump(mode="json"),
+        "environment": env.model_dump(mode="json"),
         "model": {"preset": args.preset, "dtype": "bfloat16", "random_weights": True},
         "context": args.context,
         "attention": "triton (kernels/batched_attention.py)",

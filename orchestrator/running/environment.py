@@ -148,6 +148,16 @@ def copy_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
     return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), dev, repeats) / 1e9
 
 
+def read_bandwidth_gb_s(device: str, repeats: int = 5) -> float:
+    """Median rate of reading a large device-local tensor once (an amax over 2 GiB on a GPU,
+    256 MiB in host memory; one value written): the ceiling of a step that streams its
+    weights and cache. Not in the environment record (benchmarks/batched_step.py reads it)."""
+    dev = _device(device)
+    nbytes = (1 << 31) if dev.type == "cuda" else (1 << 28)
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    return nbytes / _median_seconds(src.amax, dev, repeats) / 1e9
+
+
 def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
     """Median throughput of a square matmul (8192 on a GPU, 1024 on a CPU): the compute
     ceiling a per-step floor is measured against, on random data as models see it."""
