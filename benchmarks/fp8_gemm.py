@@ -3,8 +3,8 @@ projections (q,k,v,gate,up packed; o; down), three ways:
 
   bf16:       F.linear over the bf16 weights (what the exact server runs)
   fp8:        fp8_linear: each activation row quantized by one kernel
-              (kernels/fp8_rows.py), then torch._scaled_mm with row-wise scales (what
-              fp8_projections runs)
+              (kernels/fp8_rows.py), then torch._scaled_mm with row-wise scales, or at one
+              row int8_gemv's GEMV over the e4m3 row and weights (what fp8_projections runs)
   fp8_torch_quant: the same with the quantization in torch's ops (nine kernels; what
               fp8_projections ran before the kernel)
   fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
@@ -14,7 +14,9 @@ projections (q,k,v,gate,up packed; o; down), three ways:
 
 Per row count, each way runs its 108 projections (3 per layer, distinct weights) in one CUDA
 graph; the graphs replay interleaved, each replay timed by CUDA events. The JSON gives each
-way's median ms per step, unrounded, with the GPU, versions and git SHA.
+way's median ms per step, unrounded, with the GPU, versions and git SHA, and the weight
+bytes a step of each format reads: `read_gb_s` = those bytes / the median (at one row the
+step is a weight stream; compare with the environment's read_bandwidth_gb_s).
 """
 
 from __future__ import annotations
@@ -72,7 +74,16 @@ def main() -> None:
     ]
     fp8 = [Fp8Weight.of(w) for w in weights]
     env = capture("cuda", "none", dt)
-    doc: dict = {"environment": env.model_dump(mode="json"), "layers": LAYERS, "levels": []}
+    weight_bytes = {
+        "bf16": sum(w.numel() * w.element_size() for w in weights),
+        "fp8": sum(w.q.numel() + w.scale.numel() * 4 for w in fp8),
+    }
+    doc: dict = {
+        "environment": env.model_dump(mode="json"),
+        "layers": LAYERS,
+        "weight_bytes": weight_bytes,
+        "levels": [],
+    }
     for b in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(b, w.shape[1], device=dev, dtype=dt) for w in weights]
         xq = [quantize_rows(x) for x in xs]
@@ -92,6 +103,10 @@ def main() -> None:
             "fp8_over_bf16": med["fp8"] / med["bf16"],
             "fp8_torch_quant_over_bf16": med["fp8_torch_quant"] / med["bf16"],
             "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
+            "read_gb_s": {
+                name: weight_bytes["bf16" if name == "bf16" else "fp8"] / (ms * 1e6)
+                for name, ms in med.items()
+            },
             "replays": args.replays,
         }
         doc["levels"].append(level)
@@ -99,7 +114,8 @@ def main() -> None:
             f"rows {b:4d}: bf16 {med['bf16']:.3f} ms, fp8 {med['fp8']:.3f} ms "
             f"({level['fp8_over_bf16']:.3f}x; torch's quantization "
             f"{level['fp8_torch_quant_over_bf16']:.3f}x), fp8 GEMM alone {med['fp8_gemm']:.3f} ms "
-            f"({level['fp8_gemm_over_bf16']:.3f}x)",
+            f"({level['fp8_gemm_over_bf16']:.3f}x); weights read at "
+            f"{level['read_gb_s']['bf16']:.0f} GB/s bf16, {level['read_gb_s']['fp8']:.0f} fp8",
             flush=True,
         )
         del graphs, xs, xq

@@ -155,11 +155,12 @@ def test_the_batched_server_reads_the_fp8_slot(model):
 
 
 @pytest.mark.gpu
-def test_scaled_mm_gives_the_emulated_fp8_products_on_gpu():
-    """cuBLASLt's FP8 GEMM against float32 matmuls of the same dequantized operands, at the
-    real model's projection shapes: only the summation order and bf16 output differ."""
+def test_the_gpu_gives_the_emulated_fp8_products():
+    """cuBLASLt's FP8 GEMM (many rows) and the GEMV (one row) against float32 matmuls of the
+    same dequantized operands, at the real model's projection shapes: only the summation
+    order and bf16 output differ."""
     torch.manual_seed(0)
-    for m, k, n in ((1, 2048, 25088), (64, 2048, 2048), (512, 11008, 2048)):
+    for m, k, n in ((1, 2048, 25088), (1, 11008, 2048), (64, 2048, 2048), (512, 11008, 2048)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = Fp8Weight.of(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         ours, ref = fp8_linear(x, w, emulate=False), fp8_linear(x.float(), w, emulate=True)

@@ -296,6 +296,64 @@ def test_int8_linear_rejects_unsupported() -> None:
                                                                          preload=True))  # fmt: skip
 
 
+FP8_GEMV_CASES = [  # (m, n, k, cfg): one row and the small-m path; even, ragged, split-K
+    (1, 64, 256, gemv.GemvConfig(16, 64)),
+    (1, 72, 200, gemv.GemvConfig(16, 64, magic=True)),  # magic is int8's: turned off
+    (1, 40, 300, gemv.GemvConfig(8, 64, split_k=3, prefetch=True)),
+    (3, 48, 160, gemv.GemvConfig(16, 64)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", FP8_GEMV_CASES)
+def test_the_gemv_reads_e4m3_weights_exactly(m: int, n: int, k: int, cfg: object) -> None:
+    """fp8_projections' one-row path: e4m3 weights with a scale per channel, x unquantized.
+    The kernel's y is x @ (q * scale).T with each weight converted exactly: within fp32
+    summation order of the dequantized product, and far from int8-magic's misreading of
+    the same bytes."""
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Weight
+
+    w = Fp8Weight.of(randn(n, k) * torch.linspace(0.01, 3, n, device=DEVICE)[:, None])
+    x = randn(m, k, dtype=torch.bfloat16)
+    out = gemv.int8_linear(x, w.q, w.scale, config=cfg)
+    ref = (x.float() @ w.q.float().t()) * w.scale
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < tol(torch.bfloat16)
+    as_int8 = gemv.int8_linear(x, w.q.view(torch.int8), w.scale, config=cfg)
+    assert rel_err(as_int8, ref) > 0.5  # the same bytes read as int8 are another matrix
+
+
+@pytest.mark.parametrize("n,k,cfg", [(c[1], c[2], c[3]) for c in FP8_GEMV_CASES[:3]])
+def test_the_gemv_gives_fp8_projections_products_at_one_row(n: int, k: int, cfg: object) -> None:
+    """An e4m3 x row with its scale against e4m3 weights with theirs: what fp8_matmul
+    emulates (float32 products of the dequantized operands), in bf16, split-K or not."""
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_matmul, quantize_rows
+
+    w = Fp8Weight.of(randn(n, k))
+    xq, xs = quantize_rows(randn(1, k, scale=5.0))
+    out = gemv.int8_linear(xq, w.q, w.scale, config=cfg, x_scale=xs)
+    ref = fp8_matmul(xq, xs, w, emulate=True, dtype=torch.float32)
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < tol(torch.bfloat16)
+    unscaled = gemv.int8_linear(xq, w.q, w.scale, config=cfg, x_scale=torch.ones_like(xs))
+    assert rel_err(unscaled * xs, ref) < tol(torch.bfloat16)  # the scale is applied, once
+    assert rel_err(unscaled, ref) > 0.5
+
+
+def test_the_gemv_refuses_what_its_fp8_paths_do_not_read() -> None:
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, quantize_rows
+
+    w = Fp8Weight.of(randn(64, 256))
+    xq, xs = quantize_rows(randn(2, 256))
+    with pytest.raises(ValueError, match="TMA kernel reads int8 weights"):
+        gemv.int8_linear(randn(1, 256), w.q, w.scale, config=gemv.GemvConfig(16, 64, tma=True))
+    with pytest.raises(ValueError, match="one row of x"):
+        gemv.int8_linear(xq, w.q, w.scale, x_scale=xs[:1])
+    with pytest.raises(ValueError, match="x_scale goes with one row of x and is one value"):
+        gemv.int8_linear(xq[:1], w.q, w.scale, x_scale=xs.reshape(2))
+    with pytest.raises(ValueError, match="dtype"):  # an e4m3 x without its scale
+        gemv.int8_linear(xq[:1], w.q, w.scale)
+
+
 # --------------------------------------------------------------------------- INT6 GEMV
 
 
@@ -1155,8 +1213,8 @@ def test_int8_preload_changes_no_logit(fused_case, monkeypatch) -> None:
     plain = _teacher_forced(model, names, prompt, tokens[:4])
     seen: list[bool] = []
     launch = gemv._launch_gemv
-    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl: seen.append(
-        cfg.preload) or launch(x, q, s, o, cfg, pdl))  # fmt: skip
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None: seen.append(
+        cfg.preload) or launch(x, q, s, o, cfg, pdl, xs))  # fmt: skip
     pre = _teacher_forced(model, names, prompt, tokens[:4], int8_projections={"preload": True})
     assert seen and all(seen)
     assert torch.equal(pre, plain) if not CUDA else rel_err(pre, plain) < 1e-6
@@ -1184,8 +1242,8 @@ def test_int8_gemv_configs_table_reaches_the_kernel(fused_case, monkeypatch) -> 
     monkeypatch.setitem(gemv.GEMV_TABLES, "pdl_tuned", EveryShape())
     seen: list[bool] = []
     launch = gemv._launch_gemv
-    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl: seen.append(
-        cfg.reduce_each) or launch(x, q, s, o, cfg, pdl))  # fmt: skip
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None: seen.append(
+        cfg.reduce_each) or launch(x, q, s, o, cfg, pdl, xs))  # fmt: skip
     each = _teacher_forced(model, names, prompt, tokens[:4],
                            int8_projections={"gemv_configs": "pdl_tuned"})  # fmt: skip
     assert seen and all(seen)

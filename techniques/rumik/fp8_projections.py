@@ -10,10 +10,14 @@ scale, every activation row likewise under its row's, so each product carries a 
 error of a few percent; the logits' divergence from stock is measured by fidelity, never
 assumed, and the stack goes through the quality gates.
 
-Only batched_decode reads it (`after`): a single-stream decoder at batch 1 reads weights,
-where int8_projections' GEMV is the tool. The model keeps its bf16 weights (stock, fidelity
-and prefill of other stacks read them); the server reports them as held but unread
-(`memory()["weights_unread"]`).
+At one row (a server's smallest bucket) the step only streams weights, and cuBLASLt's FP8
+GEMM reads them there no faster than bf16 (benchmarks/h100/serving/fp8-gemm-kernel-quant.json:
+1.01x); one row's products go through int8_gemv's GEMV instead, which reads e4m3 weights
+and an e4m3 row with its scale: the same products, summed in another order.
+
+Only batched_decode reads it (`after`); a single-stream decoder's GEMV is int8_projections'.
+The model keeps its bf16 weights (stock, fidelity and prefill of other stacks read them);
+the server reports them as held but unread (`memory()["weights_unread"]`).
 
 `emulate` (any device; the CPU tests) computes the same quantized products in float32
 matmuls of the dequantized operands: the same rounding of every operand, another summation
@@ -75,6 +79,10 @@ def fp8_matmul(
     """Quantized rows xq [m, k] (scales xs [m, 1]) @ w.T -> [m, n] in `dtype`."""
     if emulate:
         y = (xq.float() * xs) @ (w.q.float() * w.scale.t()).t()
+    elif xq.shape[0] == 1:  # a weight stream: the GEMV, at the read rate (module doc)
+        from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
+
+        y = int8_linear(xq, w.q, w.scale, x_scale=xs, out_dtype=torch.bfloat16)
     else:  # row-wise scales need bf16 output; a bf16 model is what the GPU serves
         y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=torch.bfloat16)
     return y.to(dtype)

@@ -8,9 +8,10 @@ import triton.language as tl
 
 @triton.jit
 def _dequant(w, MAGIC: tl.constexpr):
-    """int8 -> exact fp32. MAGIC: 2**23 + (w + 128) built in the float's bits, minus 2**23 + 128:
-    integer/FADD ops at full rate instead of I2F, whose quarter rate on sm_90 (16/clk/SM,
-    ~4.2e12/s on an H200) is as slow as streaming the int8 bytes from HBM."""
+    """int8 (or, MAGIC off, e4m3) -> exact fp32. MAGIC (int8 only): 2**23 + (w + 128) built
+    in the float's bits, minus 2**23 + 128: integer/FADD ops at full rate instead of I2F,
+    whose quarter rate on sm_90 (16/clk/SM, ~4.2e12/s on an H200) is as slow as streaming
+    the int8 bytes from HBM."""
     if MAGIC:
         bits = w.to(tl.int32) + 0x4B000080
         return bits.to(tl.float32, bitcast=True) - 8388736.0

@@ -7,6 +7,11 @@ Contract
   clamped to [-127, 127].
 - `int8_linear(x[..., K], q, scale) -> y[..., N]` in x's dtype (bf16/fp16/fp32), for 1..4 rows
   of x (decode). More rows raise ValueError: use a real GEMM there.
+- `q` may also be float8_e4m3fn: the same kernels, each weight converted e4m3 -> fp32
+  exactly (no magic: that trick is int8's); TMA configs refuse it. With `x_scale` (one row)
+  x is itself e4m3 with that one float32 scale, and y = (x * x_scale) @ (q * scale).T in
+  `out_dtype`: fp8_projections' products at one row, where cuBLASLt's FP8 GEMM reads the
+  weights no faster than bf16 (benchmarks/h100/serving/fp8-gemm-kernel-quant.json: 1.01x).
 - Accumulation is fp32; the scale is applied once per output, after the K loop.
 - The launch only reads device memory and never synchronises with the host, so it can be
   captured in a CUDA graph. Split-K launches re-arm their semaphores themselves, so graph
@@ -75,6 +80,7 @@ from .int8_fma import _fma
 patch_interpreter_scalars()
 
 MAX_ROWS = 4  # decode batch; beyond this a tensor-core GEMM is the right tool
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SMALL_M_BLOCK = 16  # tl.dot needs at least 16 rows: x rows M..15 are masked to zero
 
 
@@ -196,11 +202,12 @@ def _load_chunk(
         x = tl.load(x_ptr + k + offs_k, eviction_policy="evict_last")
     elif EVEN:  # whole chunks, maybe past the end: one scalar predicate keeps vector loads
         ok = k < k_hi
-        w = tl.load(w_ptrs + k, mask=ok, other=0, eviction_policy="evict_first")
+        # other=0.0, a float: the interpreter cannot cast an integer 0 to FP8 (e4m3 weights)
+        w = tl.load(w_ptrs + k, mask=ok, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + k + offs_k, mask=ok, other=0.0, eviction_policy="evict_last")
     else:
         k_mask = (k + offs_k) < k_hi
-        w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0,
+        w = tl.load(w_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")  # fmt: skip
         x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0, eviction_policy="evict_last")
     return w, x
@@ -228,6 +235,8 @@ def _int8_gemv_kernel(
     PRELOAD: tl.constexpr,
     REDUCE_EACH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    X_SCALED: tl.constexpr = False,
+    xs_ptr=None,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -243,7 +252,7 @@ def _int8_gemv_kernel(
             w_first = tl.load(w_ptrs + k_lo, eviction_policy="evict_first")
         else:
             first_mask = n_mask[:, None] & ((k_lo + offs_k) < k_hi)[None, :]
-            w_first = tl.load(w_ptrs + k_lo, mask=first_mask, other=0,
+            w_first = tl.load(w_ptrs + k_lo, mask=first_mask, other=0.0,
                               eviction_policy="evict_first")  # fmt: skip
     if USE_PDL:
         # x is written by the previous kernel; everything above overlapped with its tail
@@ -283,6 +292,8 @@ def _int8_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     part = acc if REDUCE_EACH else tl.sum(acc, axis=1)
+    if X_SCALED:  # an e4m3 x row's own scale (fp8_projections), beside the weights'
+        part = part * tl.load(xs_ptr)
     store_scaled(part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
                  pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
 
@@ -323,10 +334,11 @@ def _int8_gemm_small_m_kernel(
         w = tl.load(
             w_ptrs + k,
             mask=k_mask[:, None] & n_mask[None, :],
-            other=0,
+            other=0.0,
             eviction_policy="evict_first",
         )
-        # int8 -> fp32 -> x dtype: exact either way, and the interpreter mis-casts int8 -> bf16
+        # int8 or e4m3 -> fp32 -> x dtype: exact either way, and the interpreter mis-casts
+        # int8 -> bf16
         w = w.to(tl.float32).to(x.dtype)
         if DOT_F32:  # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
             x = x.to(tl.float32)
@@ -379,10 +391,19 @@ def default_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(4, 1024, 4, magic=True)
 
 
-def _check_inputs(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
+def _check_inputs(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, x_scale: torch.Tensor | None = None
+) -> tuple[int, int, int]:
     check_device("int8_linear", x, q, scale)
-    check_dtype("int8_linear x", x, FLOAT_DTYPES)
-    check_dtype("int8_linear q", q, (torch.int8,))
+    if x_scale is None:
+        check_dtype("int8_linear x", x, FLOAT_DTYPES)
+    else:
+        check_device("int8_linear", x, x_scale)
+        check_dtype("int8_linear x (with x_scale)", x, (torch.float8_e4m3fn,))
+        check_dtype("int8_linear x_scale", x_scale, (torch.float32,))
+        if x_scale.numel() != 1 or x.numel() != x.shape[-1]:
+            raise ValueError("int8_linear: x_scale goes with one row of x and is one value")
+    check_dtype("int8_linear q", q, WEIGHT_DTYPES)
     check_dtype("int8_linear scale", scale, FLOAT_DTYPES)
     if q.dim() != 2 or q.stride(1) != 1:
         raise ValueError(f"int8_linear: q must be [N, K] with contiguous rows, got {q.shape}")
@@ -406,25 +427,33 @@ def int8_linear(
     out: torch.Tensor | None = None,
     launch_pdl: bool = False,
     preload: bool = False,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y[..., N] = x[..., K] @ (q * scale[:, None]).T, for 1..4 rows of x. `preload` turns on
-    the config's `preload` (one row only; a config with `prefetch` refuses it)."""
-    m, n, k = _check_inputs(x, q, scale)
+    the config's `preload` (one row only; a config with `prefetch` refuses it). With
+    `x_scale`, x is one e4m3 row and y = (x * x_scale) @ ... in `out_dtype` (default bf16)."""
+    m, n, k = _check_inputs(x, q, scale, x_scale)
+    dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"int8_linear: out must be contiguous {(m, n)} {x.dtype}")
+        out = torch.empty((m, n), dtype=dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"int8_linear: out must be contiguous {(m, n)} {dtype}")
     cfg = config or _TUNED.get((str(x.device), m == 1, n, k)) or default_config(n, k)
     # GemvConfig refuses preload with prefetch; a tma config's pipeline already loads ahead
     if preload and m == 1 and not cfg.preload and not cfg.tma:
         cfg = replace(cfg, preload=True)
+    if cfg.tma and (q.dtype != torch.int8 or x_scale is not None):
+        raise ValueError("int8_linear: the TMA kernel reads int8 weights and an unscaled x")
+    if q.dtype == torch.float8_e4m3fn:  # e4m3 -> fp32 is a plain conversion
+        cfg = replace(cfg, magic=False)
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
     if m == 1:
-        _launch_gemv(x2, q, scale, out, cfg, use_pdl)
+        _launch_gemv(x2, q, scale, out, cfg, use_pdl, x_scale)
     else:
         _launch_small_m(x2, q, scale, out, cfg, use_pdl)
     return out.reshape(*x.shape[:-1], n)
@@ -437,6 +466,7 @@ def _launch_gemv(
     out: torch.Tensor,
     cfg: GemvConfig,
     use_pdl: bool,
+    x_scale: torch.Tensor | None = None,
 ) -> None:
     if cfg.tma:
         from .int8_gemv_tma import launch_gemv_tma
@@ -475,6 +505,8 @@ def _launch_gemv(
         PRELOAD=cfg.preload,
         REDUCE_EACH=cfg.reduce_each,
         USE_PDL=use_pdl,
+        X_SCALED=x_scale is not None,
+        xs_ptr=x_scale,
         **launch_options(use_pdl, cfg.num_warps, cfg.num_stages),
     )
 
