@@ -20,8 +20,11 @@ unrounded, beside the GPU, versions and git SHA:
   environment's matmul_tflop_s, an 8192^3 matmul): max(bytes / read rate, FLOPs / matmul
   rate), bytes = the weights the step reads + every row's K/V up to `--context` in
   the bf16 cache, FLOPs = 2 x the projection and head weights' elements x rows (attention's
-  FLOPs left out: small at this context). `of_floor` = floor_ms / median ms; the FP8
-  cache's floor is lower (half the cache bytes): `floor_ms_kv8`.
+  FLOPs left out: small at this context). `of_floor` = each variant's floor / its median
+  ms, the floor of what that variant reads and computes: the FP8 cache's is lower (half the
+  cache bytes: `floor_ms_kv8`); with --fp8-projections, `floor_ms_kv8_fp8` counts the FP8
+  weights' bytes and their FLOPs at the e4m3 matmul rate, measured in the run like the bf16
+  one (environment.fp8_matmul_tflop_s; the head stays bf16).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from orchestrate.api.config import ModelSpec, SamplingConfig
 from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.api.registry import get_family
-from orchestrate.running.environment import capture, read_bandwidth_gb_s
+from orchestrate.running.environment import capture, fp8_matmul_tflop_s, read_bandwidth_gb_s
 from orchestrate.techniques.rumik.batched_decode import GLUE, BatchedDecoder
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
@@ -141,13 +144,16 @@ def main() -> None:
     dec = decs["model"]
     cache_per_row = dec.k[:, 0, :, : args.context].numel() * dec.k.element_size() * 2
     weights = dec.memory()["weights_read"]
-    matmul_elems = sum(t.numel() for t in dec.proj.tensors()) + dec.head_w.numel()
-    # (the floors are the bf16 step's; an FP8 GEMM's rate is not measured here)
+    proj_elems = sum(t.numel() for t in dec.proj.tensors())
+    matmul_elems = proj_elems + dec.head_w.numel()
     env = capture("cuda", "none", torch.bfloat16)  # measures the bf16 matmul rate
     ceil = {
         "read_bytes_per_s": read_bandwidth_gb_s("cuda") * 1e9,
         "bf16_flop_per_s": env.matmul_tflop_s * 1e12,
     }
+    if args.fp8_projections:
+        ceil["fp8_flop_per_s"] = fp8_matmul_tflop_s("cuda") * 1e12
+        weights_fp8 = decs["fp8_proj"].memory()["weights_read"]
     doc: dict = {
         "environment": env.model_dump(mode="json"),
         "model": {"preset": args.preset, "dtype": "bfloat16", "random_weights": True},
@@ -183,16 +189,20 @@ def main() -> None:
             mem8_s = (weights + b * cache_per_row / 2) / ceil["read_bytes_per_s"]
             flop_s = 2 * matmul_elems * b / ceil["bf16_flop_per_s"]
             floor_ms, floor8_ms = 1e3 * max(mem_s, flop_s), 1e3 * max(mem8_s, flop_s)
+            floors = {name: floor8_ms if "_kv8" in name else floor_ms for name in med}
+            if args.fp8_projections:
+                memf_s = (weights_fp8 + b * cache_per_row / 2) / ceil["read_bytes_per_s"]
+                proj_s = 2 * proj_elems * b / ceil["fp8_flop_per_s"]
+                head_s = 2 * dec.head_w.numel() * b / ceil["bf16_flop_per_s"]
+                floors["triton_kv8_fp8"] = 1e3 * max(memf_s, proj_s + head_s)
             level = {
                 "rows": b,
                 "median_ms_per_step": med,
                 "over_torch": {name: ms / med["torch"] for name, ms in med.items()},
                 "floor_ms": floor_ms,
                 "floor_ms_kv8": floor8_ms,
-                "of_floor": {
-                    name: (floor8_ms if "_kv8" in name else floor_ms) / ms
-                    for name, ms in med.items()
-                },
+                **({"floor_ms_kv8_fp8": floors["triton_kv8_fp8"]} if args.fp8_projections else {}),
+                "of_floor": {name: floors[name] / ms for name, ms in med.items()},
                 "agree": {
                     name: {
                         "hidden_rel_l2": float((h - h0).norm() / h0.norm()),
@@ -210,7 +220,8 @@ def main() -> None:
                 + ", ".join(
                     f"{n} {ms:.3f} ms ({level['over_torch'][n]:.3f}x)" for n, ms in med.items()
                 )
-                + f"; floor {floor_ms:.3f} ms (kv8 {floor8_ms:.3f})",
+                + f"; floor {floor_ms:.3f} ms (kv8 {floor8_ms:.3f}"
+                + (f", kv8+fp8 {floors['triton_kv8_fp8']:.3f})" if args.fp8_projections else ")"),
                 flush=True,
             )
             del graphs

@@ -13,13 +13,17 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
   bf16        the decoder in bfloat16 (APPROXIMATE).
 Each variant's audio is compared with fp32-exact's (or, without it in --variants, the first
 variant's): max |diff| over the reference's peak, recorded beside its time.
-`--variants fp32,bf16` times a subset (one at a time isolates a variant that faults).
+`--variants fp32,bf16` times a subset. All four in one process faulted on an H100 with an
+illegal memory access at the first replays, unexplained (benchmarks/h100/serving/
+codec-bench-illegal-address.log); each alone ran clean (codec-variants.log): time them one
+at a time.
 Per variant and shape: the median ms per decode and the codec's throughput, audio seconds
 decoded per second (rows * frames * 0.08 s / the median). A server keeping N streams real
 time needs at least N audio seconds per second from its codec, beside its decode steps.
 `--count-only` (any device, the CPU here): FLOPs of one decode per stream and frame
 (torch's FLOP counter) and the state each stream carries, written to --out; no timing.
-`--profile ROWS`: one eager fp32 decode of ROWS rows and 1 frame under torch.profiler: the
+`--profile ROWS [--profile-kv ring]`: one eager fp32 decode of ROWS rows and 1 frame (the
+window gathered, or in ring slots) under torch.profiler: the
 CUDA time of the kernels each operator launched itself (self device time, so nothing is
 counted twice), by operator, the largest first (where the time goes).
 """
@@ -38,7 +42,7 @@ import torch
 from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.api.family import seed_codebooks
 from orchestrate.families.rumik.engine import tensor_bytes
-from orchestrate.families.rumik.mimi_stream import MimiStream
+from orchestrate.families.rumik.mimi_stream import KV_LAYOUTS, MimiStream
 from orchestrate.families.rumik.presets import PRESETS
 from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="which variants, in turn")
     ap.add_argument("--profile", type=int, default=0, help="rows of one profiled decode")
+    ap.add_argument("--profile-kv", choices=KV_LAYOUTS, default="gather", help="its window")
     ap.add_argument("--count-only", action="store_true", help="FLOPs and state, no timing")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -109,16 +114,20 @@ def main() -> None:
                 continue
             for name, t in times.items():
                 ms = statistics.median(t)
-                diff = (outs[name].float() - ref).abs().max() / ref.abs().max()
+                # None: the reference itself (a diff of 0 would say nothing)
+                diff = None
+                if name != ref_name:
+                    diff = float((outs[name].float() - ref).abs().max() / ref.abs().max())
                 level["variants"][name] = {
                     "median_ms_per_decode": ms,
                     "audio_s_per_s": rows * frames * FRAME_S / (ms / 1000),
-                    "max_abs_diff_over_peak": float(diff),
+                    "max_abs_diff_over_peak": diff,
                     "diff_reference": ref_name,
                 }
+                shown = "reference" if diff is None else f"{diff:.1e} vs {ref_name}"
                 print(
                     f"rows {rows:4d} frames {frames}: {name:10s} {ms:8.3f} ms"
-                    f" {rows * frames * FRAME_S / (ms / 1000):9.0f} audio s/s, diff {diff:.1e}",
+                    f" {rows * frames * FRAME_S / (ms / 1000):9.0f} audio s/s, diff {shown}",
                     flush=True,
                 )
             doc["levels"].append(level)
@@ -126,7 +135,7 @@ def main() -> None:
             del graphs, outs
     torch.backends.cudnn.allow_tf32 = True
     if args.profile:
-        doc["profile"] = profile(fp32, args.profile)
+        doc["profile"] = profile(fp32, args.profile, args.profile_kv)
         args.out.write_text(json.dumps(doc, indent=1))
 
 
@@ -160,12 +169,12 @@ def count(rows: int = 4) -> dict:
     return doc
 
 
-def profile(codec, rows: int, top: int = 20) -> dict:
+def profile(codec, rows: int, kv: str, top: int = 20) -> dict:
     """CUDA kernel time of one eager decode (after one warm-up), by operator."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    stream = MimiStream(codec, rows)
+    stream = MimiStream(codec, rows, kv=kv)
     shape = (rows, codec.config.num_quantizers, 1)
     codes = torch.randint(0, codec.config.codebook_size, shape, device="cuda")
     index = torch.arange(rows, device="cuda")
@@ -189,6 +198,7 @@ def profile(codec, rows: int, top: int = 20) -> dict:
     return {
         "rows": rows,
         "frames": 1,
+        "kv": kv,
         "kernel_ms_total": total,
         "top": [{"operator": k, "ms": ms, "calls": n} for k, ms, n in kernels[:top]],
     }

@@ -814,3 +814,16 @@ def test_explorations_are_not_offered_the_serving_technique():
 
     offered = technique_catalogue("rumik")
     assert "batched_decode" not in offered and "graph_loop" in offered
+
+
+@pytest.mark.parametrize("codec_kv", [None, "ring"])
+def test_the_stacks_codec_window_reaches_the_servers_codec(model, codec_kv):
+    """batched_decode's codec_kv (version 7) is how the server's Mimi stream keeps its
+    window; left out, the gathered window of versions before it."""
+    params = {"rows": 2} | ({"codec_kv": codec_kv} if codec_kv else {})
+    spec = StackSpec(
+        name="kv", family="rumik", techniques=[TechniqueRef(name="batched_decode", params=params)]
+    )
+    engine = FAMILY.build_engine(model, build_stack(spec))
+    server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
+    assert server.codec.stream.kv == (codec_kv or "gather")

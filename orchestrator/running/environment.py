@@ -169,6 +169,22 @@ def matmul_tflop_s(device: str, dtype: torch.dtype, repeats: int = 3) -> float:
     return 2 * n**3 / _median_seconds(lambda: a @ b, dev, repeats) / 1e12
 
 
+def fp8_matmul_tflop_s(device: str = "cuda", repeats: int = 3) -> float:
+    """Median throughput of an 8192^3 e4m3 matmul (torch._scaled_mm, bf16 out; Hopper and
+    later): the compute ceiling of FP8 projections. Not in the environment record
+    (benchmarks/batched_step.py reads it)."""
+    dev = _device(device)
+    n = 8192
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major operand
+    one = torch.ones((), device=dev)
+
+    def run() -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return 2 * n**3 / _median_seconds(run, dev, repeats) / 1e12
+
+
 def _cpuinfo(key: str) -> list[str]:
     """Values of `key` lines in /proc/cpuinfo, one per logical core that has it."""
     try:

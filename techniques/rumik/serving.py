@@ -72,6 +72,13 @@ class BatchedDecodeParams(TechniqueParams):
         "on a side CUDA stream behind the next step's graph (the same audio; CPU: one step "
         "later, no second stream).",
     )
+    codec_kv: Literal["gather", "ring"] = Field(
+        "gather",
+        description="how the codec keeps Mimi's transformer window per stream: gather (the "
+        "window gathered, the chunk appended, the last window written back: three passes a "
+        "layer) or ring (ring slots, read once a layer; the same keys, the softmax summed in "
+        "another order).",
+    )
 
     @model_validator(mode="after")
     def _kernels_it_needs(self) -> BatchedDecodeParams:
@@ -91,8 +98,8 @@ class BatchedDecode(Technique):
     # 4: o_proj and down_proj add into the residual as two GEMMs over the model's own
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
     # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
-    # eager ops)
-    version = 6
+    # eager ops); 7: `codec_kv` (its default keeps the gathered window)
+    version = 7
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -139,6 +146,7 @@ class BatchedDecode(Technique):
                 attention=params.attention,
                 head=params.head,
                 codec_overlap=params.codec == "overlap",
+                codec_kv=params.codec_kv,
                 admit_every=params.admit_every,
                 kv=params.kv,
                 glue=params.glue,
