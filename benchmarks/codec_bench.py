@@ -15,7 +15,7 @@ Each variant's audio is compared with fp32-exact's (or, without it in --variants
 variant's): max |diff| over the reference's peak, recorded beside its time.
 `--variants fp32,bf16` times a subset. All four in one process faulted on an H100 with an
 illegal memory access at the first replays, unexplained (benchmarks/h100/serving/
-codec-bench-illegal-address.log); each alone ran clean (codec-variants.log): time them one
+codec-bench-illegal-address.log); each alone ran clean (codec-alone.log): time them one
 at a time.
 Per variant and shape: the median ms per decode and the codec's throughput, audio seconds
 decoded per second (rows * frames * 0.08 s / the median). A server keeping N streams real
