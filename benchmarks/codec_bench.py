@@ -9,6 +9,8 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
   fp32-ring   float32, TF32 convolutions, the transformer's window in ring slots
               (MimiStream kv="ring": read once a layer, not gathered, appended and written
               back);
+  fp32-ring-triton  fp32-ring with each row's ring read in place by
+              kernels/ring_attention.py (no gather: the codec_attention "triton" option);
   fp32-exact  float32 with TF32 off;
   bf16        the decoder in bfloat16 (APPROXIMATE).
 Each variant's audio is compared with fp32-exact's (or, without it in --variants, the first
@@ -48,7 +50,7 @@ from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
 FRAME_S = 0.08
-VARIANTS = ("fp32", "fp32-ring", "fp32-exact", "bf16")
+VARIANTS = ("fp32", "fp32-ring", "fp32-ring-triton", "fp32-exact", "bf16")
 
 
 def build_codec(dtype: torch.dtype, device: str = "cuda"):
@@ -84,7 +86,7 @@ def main() -> None:
     fp32 = build_codec(torch.float32)
     bf16 = build_codec(torch.bfloat16) if "bf16" in names else None
     codecs = {name: bf16 if name == "bf16" else fp32 for name in names}
-    tf32 = {"fp32": True, "fp32-ring": True, "fp32-exact": False, "bf16": True}
+    tf32 = {name: name != "fp32-exact" for name in VARIANTS}
     quantizers = fp32.config.num_quantizers
     for frames in (int(f) for f in args.frames.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -95,8 +97,13 @@ def main() -> None:
             graphs, outs, errors = {}, {}, {}
             for name, codec in codecs.items():
                 torch.backends.cudnn.allow_tf32 = tf32[name]  # baked in at capture
-                kv = "ring" if name.endswith("-ring") else "gather"
-                stream = MimiStream(codec, rows, kv=kv, max_frames=frames)
+                kv = "ring" if "-ring" in name else "gather"
+                kernel = None
+                if name.endswith("-triton"):
+                    from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
+
+                    kernel = ring_attention
+                stream = MimiStream(codec, rows, kv, max_frames=frames, ring_attention=kernel)
                 try:
                     run = functools.partial(stream.decode, index, codes)
                     graphs[name], outs[name] = warm_and_capture(run)

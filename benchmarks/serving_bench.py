@@ -150,6 +150,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="how the codec keeps its transformer window (families/rumik/mimi_stream.py)",
     )
     ap.add_argument(
+        "--codec-attention",
+        choices=("sdpa", "triton"),
+        default="sdpa",
+        help="the codec transformer's attention: sdpa over the gathered window, or triton "
+        "(kernels/ring_attention.py: each row's ring read in place; needs --codec-kv ring)",
+    )
+    ap.add_argument(
         "--admit-every",
         type=int,
         default=1,
@@ -283,6 +290,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--glue {args.glue!r}: each one of {', '.join(GLUES)}")
     if "triton" in glues and "sdpa" in args.attention.split(","):
         raise LoadError("--glue triton needs --attention triton alone")
+    if args.codec_attention == "triton" and (args.codec_kv != "ring" or not cuda):
+        raise LoadError("--codec-attention triton needs --codec-kv ring and --device cuda")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -471,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
             "codec_kv": args.codec_kv,
+            "codec_attention": args.codec_attention,
             "admit_every": args.admit_every,
             "attention": {
                 "ours": "SDPA over the context bucket's positions with a per-row boolean mask",
@@ -545,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             codec_overlap=codec == "overlap",
             admit_every=args.admit_every,
             codec_kv=args.codec_kv,
+            codec_attention=args.codec_attention,
             projections=fp8,
             kv=kv,
             glue=glue,

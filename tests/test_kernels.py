@@ -67,9 +67,9 @@ with _interpreter(not CUDA and IN_PROCESS):
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
         # fp8_rows before rope_norm and swiglu, which import its row quantizer
-        ep, fq, gemv, attn, battn, samp, rn, g6, sw, fg = (_load(n) for n in ("epilogue",
+        ep, fq, gemv, attn, battn, samp, rn, g6, sw, fg, ra = (_load(n) for n in ("epilogue",
             "fp8_rows", "int8_gemv", "decode_attention", "batched_attention", "sampler",
-            "rope_norm", "int6_gemv", "swiglu", "fused_gemv"))  # fmt: skip
+            "rope_norm", "int6_gemv", "swiglu", "fused_gemv", "ring_attention"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
         sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
@@ -1842,6 +1842,116 @@ def test_qk_norm_rope_op_inside_torch_compile() -> None:
 
 
 # --------------------------------------------------------------------------- last: compiled
+
+
+# --------------------------------------------------------------------------- ring attention
+
+
+def _rings(rows: int, kv_heads: int, slots: int, d: int, dtype: torch.dtype = torch.float32):
+    """Random rings with positions as MimiStream leaves them: row r holds its last positions
+    in slots (position % slots), older slots unfilled (-1); the last row never written."""
+    keys = randn(rows, kv_heads, slots, d, dtype=dtype)
+    values = randn(rows, kv_heads, slots, d, dtype=dtype)
+    filled = [5, slots + 3, 0, 2 * slots + 1][:rows]  # positions each row has written
+    slot_position = torch.full((rows, slots), -1, dtype=torch.long, device=DEVICE)
+    for r, n in enumerate(filled):
+        for p in range(max(0, n - slots), n):
+            slot_position[r, p % slots] = p
+    return keys, values, slot_position, filled
+
+
+@pytest.mark.parametrize("t,heads", [(2, 4), (5, 2), (1, 4)])
+def test_ring_attention_reads_each_rows_ring_as_the_gathered_sdpa(t: int, heads: int) -> None:
+    """Against the gather-mask-SDPA form MimiStream runs without it, in fp32: rows read out
+    of order and twice, grouped heads, queries that see part of a window, and a row whose
+    ring is empty (its queries see nothing: zeros)."""
+    keys, values, slot_position, filled = _rings(4, 2, 20, 16)
+    rows = torch.tensor([3, 1, 0, 1, 2], device=DEVICE)
+    q_position = torch.stack(
+        [torch.arange(filled[int(r)], filled[int(r)] + t) for r in rows.cpu()]
+    ).to(DEVICE)
+    for r, row in enumerate(rows.tolist()):  # the chunk's own keys are in the ring first
+        for p in q_position[r].tolist():
+            slot_position[row, p % 20] = p
+    slot_position[2] = -1  # row 2: nothing written, not even the chunk's own keys
+    q = randn(rows.numel(), heads, t, 16)
+    out = ra.ring_attention(q, keys, values, rows, slot_position, q_position, 7, 0.25)
+    ref = ra.ring_attention_ref(q, keys, values, rows, slot_position, q_position, 7, 0.25)
+    assert out.shape == q.shape
+    assert rel_err(out, ref) < 1e-5
+    assert (out[4] == 0).all() and (out[:4].abs().sum(-1) > 0).all()  # out[4] reads row 2
+    wider = ra.ring_attention(q, keys, values, rows, slot_position, q_position, 20, 0.25)
+    assert rel_err(wider, out) > 1e-3  # the window bounds what a query sees
+
+
+def test_ring_attention_refuses_what_it_would_read_wrongly() -> None:
+    keys, values, slot_position, _ = _rings(3, 2, 8, 16)
+    q, rows = randn(2, 4, 2, 16), torch.tensor([0, 1], device=DEVICE)
+    pos = torch.zeros(2, 2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of the keys' heads"):
+        ra.ring_attention(randn(2, 3, 2, 16), keys, values, rows, slot_position, pos, 4, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        k24 = randn(3, 2, 8, 24)
+        ra.ring_attention(randn(2, 4, 2, 24), k24, k24, rows, slot_position, pos, 4, 1.0)
+    with pytest.raises(ValueError, match="rows"):
+        ra.ring_attention(q, keys, values, rows[:1], slot_position, pos, 4, 1.0)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        ra.ring_attention(q.transpose(-1, -2), keys, values, rows, slot_position, pos, 4, 1.0)
+
+
+@pytest.mark.parametrize("window", [6, 250])
+def test_a_stream_with_the_ring_kernel_decodes_as_the_whole_sequence(window: int) -> None:
+    """MimiStream kv ring with the kernel reading its rings in place: three streams in
+    different groupings and chunk lengths give the whole-sequence decode, and the ring
+    without the kernel (tiny Mimi, fp32)."""
+    from transformers import MimiConfig, MimiModel
+
+    from orchestrate.api.family import seed_codebooks
+    from orchestrate.families.rumik.mimi_stream import MimiStream
+    from orchestrate.families.rumik.presets import TINY
+
+    model = MimiModel(MimiConfig(**{**TINY.mimi, "sliding_window": window})).eval()
+    seed_codebooks(model)
+    codes = torch.randint(0, model.config.codebook_size, (3, model.config.num_quantizers, 12))
+    plan = [([0, 1, 2], 2), ([0], 3), ([1, 2], 3), ([2, 0], 4), ([1], 4), ([0, 1, 2], 3)]
+    decoded = {}
+    for kernel in (ra.ring_attention, None):
+        stream = MimiStream(model, 4, kv="ring", max_frames=4, ring_attention=kernel)
+        slots, done, parts = [1, 3, 0], [0, 0, 0], [[], [], []]
+        for group, n in plan:
+            index = torch.tensor([slots[g] for g in group])
+            chunk = torch.stack([codes[g, :, done[g] : done[g] + n] for g in group])
+            audio = stream.decode(index, chunk)
+            for j, g in enumerate(group):
+                parts[g].append(audio[j])
+                done[g] += n
+        decoded[kernel is not None] = torch.stack([torch.cat(p, dim=-1) for p in parts])
+    with torch.inference_mode():
+        whole = model.decode(codes).audio_values
+    scale = whole.abs().max()
+    assert (decoded[True] - whole).abs().max() <= 1e-5 * scale
+    assert (decoded[True] - decoded[False]).abs().max() <= 1e-5 * scale
+    with pytest.raises(ValueError, match="ring attention reads ring slots"):
+        MimiStream(model, 4, kv="gather", ring_attention=ra.ring_attention)
+
+
+@gpu
+def test_gpu_ring_attention_at_mimis_shape() -> None:
+    """The real Mimi's shape (8 heads of 64, 250-position window, 252 ring slots) at 64 rows
+    of 2 queries, fp32 and bf16, against the gathered SDPA."""
+    keys, values, slot_position, _ = _rings(3, 8, 252, 64)
+    keys = keys.repeat(22, 1, 1, 1)[:65]
+    values = values.repeat(22, 1, 1, 1)[:65]
+    slot_position = slot_position.repeat(22, 1)[:65]
+    rows = torch.randperm(64, device=DEVICE)
+    newest = slot_position[rows].amax(-1, keepdim=True).clamp(min=1)
+    q_position = newest + torch.tensor([[-1, 0]], device=DEVICE)  # in the ring already
+    for dtype, tol_ in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = randn(64, 8, 2, 64, dtype=dtype)
+        k, v = keys.to(dtype), values.to(dtype)
+        out = ra.ring_attention(q, k, v, rows, slot_position, q_position, 250, 0.125)
+        ref = ra.ring_attention_ref(q, k, v, rows, slot_position, q_position, 250, 0.125)
+        assert rel_err(out, ref) < tol_, dtype
 
 
 @pytest.mark.slow

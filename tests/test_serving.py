@@ -456,7 +456,8 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
 @pytest.mark.gpu
 def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(monkeypatch):
     """The codec eager between graphed steps, then replayed from its row buckets' graphs,
-    then on its own CUDA stream as well, then with its window in ring slots: every stream's
+    then on its own CUDA stream as well, then with its window in ring slots, read by SDPA
+    and then in place by the ring kernel (inside the codec's graphs): every stream's
     tokens are equal, and its audio too, within 1e-5 of its peak (float32 with TF32 off:
     padded batches pick other convolution algorithms, and TF32's 10-bit products differ by
     about 1e-3), with rows refilled mid-run."""
@@ -467,22 +468,24 @@ def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(mo
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for overlap, pad, kv in (
-        (False, False, "gather"), (False, None, "gather"), (True, None, "gather"),
-        (True, None, "ring"),
+    for overlap, pad, kv, attention in (
+        (False, False, "gather", "sdpa"), (False, None, "gather", "sdpa"),
+        (True, None, "gather", "sdpa"), (True, None, "ring", "sdpa"),
+        (True, None, "ring", "triton"),
     ):  # fmt: skip
         server = BatchedServer(
             gpu_model, 2, 256, TOPK, graphs=True, codec=True, keep_audio=True,
-            codec_overlap=overlap, pad_codec=pad, codec_kv=kv,
+            codec_overlap=overlap, pad_codec=pad, codec_kv=kv, codec_attention=attention,
         )  # fmt: skip
         server.warm_up()
         records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
         assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
         assert set(server.stats.codec_decodes) == ({"eager"} if pad is False else {"graph"})
         runs.append(server)
-    eager, graphed, overlapped, ring = runs
+    eager, graphed, overlapped, ring, ring_kernel = runs
     assert overlapped.codec.side is not None and overlapped.phase_seconds()["codec_launch"] > 0
-    for other in (graphed, overlapped, ring):
+    assert ring_kernel.codec.stream.ring_attention is not None
+    for other in (graphed, overlapped, ring, ring_kernel):
         assert eager.tokens == other.tokens
         for req in reqs:
             a = np.concatenate(eager.audio[req.key], axis=-1)
@@ -541,6 +544,7 @@ def _bench():
         (["--levels", "1", "--batch1-vs", "no-such-stack"], "--batch1-vs: "),
         (["--glue", "fused"], "--glue 'fused': each one of torch, triton"),
         (["--glue", "torch,triton"], "--glue triton needs --attention triton alone"),
+        (["--codec-attention", "triton"], "--codec-attention triton needs --codec-kv ring"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
@@ -827,3 +831,21 @@ def test_the_stacks_codec_window_reaches_the_servers_codec(model, codec_kv):
     engine = FAMILY.build_engine(model, build_stack(spec))
     server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
     assert server.codec.stream.kv == (codec_kv or "gather")
+
+
+def test_the_codecs_ring_kernel_needs_the_ring_and_a_gpu(model):
+    """codec_attention triton reads ring slots in place: refused with the gathered window
+    when the stack is read, and on the CPU when it is applied (the kernel's own tests run it
+    in Triton's interpreter, tests/test_kernels.py)."""
+    from orchestrate.api.registry import StackError
+    from orchestrate.api.technique import Refused
+
+    def spec(**params) -> StackSpec:
+        ref = TechniqueRef(name="batched_decode", params={"rows": 2, **params})
+        return StackSpec(name="codec-kernel", family="rumik", techniques=[ref])
+
+    with pytest.raises(StackError, match="codec_attention 'triton' reads ring slots"):
+        build_stack(spec(codec_attention="triton"))
+    built = build_stack(spec(codec_attention="triton", codec_kv="ring"))
+    with pytest.raises(Refused, match="codec_attention 'triton' needs a CUDA device"):
+        FAMILY.build_engine(model, built)

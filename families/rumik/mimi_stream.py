@@ -26,6 +26,7 @@ assumed: the same weights, float rounding apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 KV_LAYOUTS = ("gather", "ring")  # how the transformer's window is kept (MimiStream._transformer)
+# (q [b, H, t, D], keys, values [rows + 1, Hkv, slots, D], rows [b], slot_position
+# [rows + 1, slots], q_position [b, t], window, scale) -> [b, H, t, D]: the ring's attention
+# read in place (techniques/rumik/kernels/ring_attention.py has the contract)
+RingAttention = Callable[..., torch.Tensor]
 
 
 class StreamRefused(ValueError):
@@ -57,10 +62,21 @@ def _kind(module: nn.Module) -> str:
 class MimiStream:
     """Streaming decode of `codec` for `rows` stream slots (see the module docstring)."""
 
-    def __init__(self, codec: Any, rows: int, kv: str = "gather", max_frames: int = 4) -> None:
+    def __init__(
+        self,
+        codec: Any,
+        rows: int,
+        kv: str = "gather",
+        max_frames: int = 4,
+        ring_attention: RingAttention | None = None,
+    ) -> None:
         if kv not in KV_LAYOUTS:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV_LAYOUTS)}")
+        if ring_attention is not None and kv != "ring":
+            raise ValueError(f"a ring attention reads ring slots: kv 'ring', not {kv!r}")
         self.codec, self.rows, self.kv = codec, rows, kv
+        # None: the ring gathered per decode and a masked SDPA over it
+        self.ring_attention = ring_attention
         self.scratch = rows  # the state row padding rows read and write
         self.upsample, self.transformer, self.seanet = decoder_parts(codec)
         cfg = self.transformer.config
@@ -196,12 +212,13 @@ class MimiStream:
         if self.slot_position is not None:  # ring
             slot = pos % self.slot_position.shape[1]  # [b, t]
             self.slot_position[rows[:, None], slot] = pos
-            key_pos = self.slot_position[rows]  # [b, slots]
+            key_pos = self.slot_position[rows] if self.ring_attention is None else None
         else:  # cached slot j of a row holds position start - window + j (< 0: none yet)
             cached = start[:, None] - self.window + torch.arange(self.window, device=self.device)
             key_pos = torch.cat([cached, pos], dim=1)  # [b, window + t]
-        gap = pos[:, :, None] - key_pos[:, None, :]
-        mask = (key_pos[:, None, :] >= 0) & (gap >= 0) & (gap < self.window)
+        if key_pos is not None:  # the mask of the gathered window's SDPA
+            gap = pos[:, :, None] - key_pos[:, None, :]
+            mask = (key_pos[:, None, :] >= 0) & (gap >= 0) & (gap < self.window)
         for i, layer in enumerate(self.transformer.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -213,19 +230,26 @@ class MimiStream:
             if self.kv == "ring":  # [b, t] slots <- [b, t, heads, dim]
                 self.keys[i][rows[:, None], :, slot] = k.transpose(1, 2)
                 self.values[i][rows[:, None], :, slot] = v.transpose(1, 2)
-                keys, values = self.keys[i][rows], self.values[i][rows]
+            if self.ring_attention is not None:  # each row's ring read in place
+                out = self.ring_attention(
+                    q, self.keys[i], self.values[i], rows, self.slot_position, pos,
+                    self.window, attn.scaling,
+                )  # fmt: skip
             else:
-                keys = torch.cat([self.keys[i][rows], k], dim=2)
-                values = torch.cat([self.values[i][rows], v], dim=2)
-                self.keys[i][rows] = keys[:, :, -self.window :]
-                self.values[i][rows] = values[:, :, -self.window :]
-            groups = attn.num_heads // attn.num_key_value_heads
-            if groups > 1:
-                keys = keys.repeat_interleave(groups, dim=1)
-                values = values.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask[:, None], scale=attn.scaling
-            )
+                if self.kv == "ring":
+                    keys, values = self.keys[i][rows], self.values[i][rows]
+                else:
+                    keys = torch.cat([self.keys[i][rows], k], dim=2)
+                    values = torch.cat([self.values[i][rows], v], dim=2)
+                    self.keys[i][rows] = keys[:, :, -self.window :]
+                    self.values[i][rows] = values[:, :, -self.window :]
+                groups = attn.num_heads // attn.num_key_value_heads
+                if groups > 1:
+                    keys = keys.repeat_interleave(groups, dim=1)
+                    values = values.repeat_interleave(groups, dim=1)
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask[:, None], scale=attn.scaling
+                )
             out = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.self_attn_layer_scale(out)
             x = x + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(x)))

@@ -107,6 +107,7 @@ class BatchedServer:
         pad_prefill: bool | None = None,
         pad_codec: bool | None = None,
         codec_kv: str = "gather",
+        codec_attention: str = "sdpa",
         admit_every: int = 1,
         projections: Projections | None = None,
         kv: str = "model",
@@ -129,6 +130,7 @@ class BatchedServer:
                 graphs=self.graphs_on,
                 padded=pad_codec,
                 kv=codec_kv,
+                attention=codec_attention,
             )
             if codec
             else None

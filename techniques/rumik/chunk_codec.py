@@ -66,9 +66,17 @@ class ChunkCodec:
         graphs: bool = False,
         padded: bool | None = None,
         kv: str = "gather",
+        attention: str = "sdpa",
     ) -> None:
         self.vocab = model.vocab
-        self.stream = MimiStream(model.codec, rows, kv=kv, max_frames=chunk_frames)
+        ring_attention = None
+        if attention == "triton":  # each row's ring read in place (CUDA; kv ring)
+            from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
+        elif attention != "sdpa":
+            raise ValueError(f"codec attention {attention!r}: one of sdpa, triton")
+        self.stream = MimiStream(
+            model.codec, rows, kv=kv, max_frames=chunk_frames, ring_attention=ring_attention
+        )
         self.device = self.stream.device
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if overlap and cuda else None

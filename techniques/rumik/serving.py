@@ -79,6 +79,13 @@ class BatchedDecodeParams(TechniqueParams):
         "layer) or ring (ring slots, read once a layer; the same keys, the softmax summed in "
         "another order).",
     )
+    codec_attention: Literal["sdpa", "triton"] = Field(
+        "sdpa",
+        description="the codec transformer's attention: sdpa (each decoded row's window "
+        "gathered, then a masked SDPA) or triton (kernels/ring_attention.py: each row's ring "
+        "read in place, no gather; needs codec_kv ring and CUDA; the same keys, the softmax "
+        "summed in another order).",
+    )
 
     @model_validator(mode="after")
     def _kernels_it_needs(self) -> BatchedDecodeParams:
@@ -88,6 +95,8 @@ class BatchedDecodeParams(TechniqueParams):
 
         if why := glue_refusal(self.glue, self.attention):
             raise ValueError(why)
+        if self.codec_attention == "triton" and self.codec_kv != "ring":
+            raise ValueError("codec_attention 'triton' reads ring slots: set codec_kv 'ring'")
         return self
 
 
@@ -98,7 +107,8 @@ class BatchedDecode(Technique):
     # 4: o_proj and down_proj add into the residual as two GEMMs over the model's own
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
     # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
-    # eager ops); 7: `codec_kv` (its default keeps the gathered window)
+    # eager ops); 7: `codec_kv` and `codec_attention` (their defaults keep the gathered
+    # window and SDPA)
     version = 7
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
@@ -124,6 +134,8 @@ class BatchedDecode(Technique):
         assert isinstance(params, BatchedDecodeParams)
         if params.attention == "triton" and engine.model.device.type != "cuda":
             raise Refused("batched_decode with attention 'triton' needs a CUDA device")
+        if params.codec_attention == "triton" and engine.model.device.type != "cuda":
+            raise Refused("batched_decode with codec_attention 'triton' needs a CUDA device")
 
         def build(
             engine: Engine,
@@ -147,6 +159,7 @@ class BatchedDecode(Technique):
                 head=params.head,
                 codec_overlap=params.codec == "overlap",
                 codec_kv=params.codec_kv,
+                codec_attention=params.codec_attention,
                 admit_every=params.admit_every,
                 kv=params.kv,
                 glue=params.glue,

@@ -10,6 +10,7 @@ reference:
   for a batched step's rows (swiglu_rows)
 - batched_attention: decode attention for many rows, each over its own length
 - fp8_rows: each activation row to e4m3 with its own scale, one launch (quantize_rows_fp8)
+- ring_attention: a streaming codec's attention over each row's ring, read in place
 - epilogue: the GEMVs' shared per-channel scale + split-K epilogue (store_scaled) and its
   semaphore pool (split_k_semaphores)
 
@@ -48,6 +49,7 @@ _EXPORTS = {
     "rope_and_cache_write_rows": "rope_norm",
     "batched_decode_attention": "batched_attention",
     "quantize_rows_fp8": "fp8_rows",
+    "ring_attention": "ring_attention",
 }
 
 __all__ = sorted(_EXPORTS)
