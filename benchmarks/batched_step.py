@@ -25,6 +25,10 @@ unrounded, beside the GPU, versions and git SHA:
   cache bytes: `floor_ms_kv8`); with --fp8-projections, `floor_ms_kv8_fp8` counts the FP8
   weights' bytes and their FLOPs at the e4m3 matmul rate, measured in the run like the bf16
   one (environment.fp8_matmul_tflop_s; the head stays bf16).
+- `prefill` (`--prefill 1x128,4x128`): each variant's prompt write (`write_prompts`, what a
+  server's admission replays: ROWS prompts of TOKENS tokens into their cache rows) as a
+  graph, timed the same way and profiled (its glue: with `triton`, the norms and SwiGLU as
+  kernels and, with the FP8 cache, one quantization kernel per tensor).
 """
 
 from __future__ import annotations
@@ -112,6 +116,12 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--profile-rows", default="1,512", help="row counts profiled ('' none)")
     ap.add_argument("--preset", default="rumik-oss-1")
+    ap.add_argument(
+        "--prefill",
+        default="",
+        help="prompt writes also timed, ROWSxTOKENS comma-separated (e.g. 1x128,4x128): each "
+        "variant's write_prompts (a server's admission) as a graph, profiled",
+    )
     ap.add_argument(
         "--fp8-projections",
         action="store_true",
@@ -225,7 +235,38 @@ def main() -> None:
                 flush=True,
             )
             del graphs
+        doc["prefill"] = [
+            time_prefill(variants, int(n), int(t), args.replays)
+            for n, t in (shape.split("x") for shape in args.prefill.split(",") if shape)
+        ]
     args.out.write_text(json.dumps(doc, indent=1))
+
+
+def time_prefill(variants: dict, rows: int, tokens: int, replays: int) -> dict:
+    """Each variant's prompt write of `rows` prompts of `tokens` tokens into rows [0, rows)
+    (what an admission replays), graphs interleaved, then profiled."""
+    graphs = {}
+    for name, (glue, d) in variants.items():
+        d.glue = glue
+        gen = torch.Generator(device=d.ids.device).manual_seed(tokens)
+        ids = torch.randint(1, d.embed.shape[0], (rows, tokens), generator=gen, device=gen.device)
+        index = torch.arange(rows, device=ids.device)
+        graphs[name] = warm_and_capture(lambda d=d, i=index, x=ids: d.write_prompts(i, x))[0]
+    times = interleaved_replay_ms(graphs, replays)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(
+        f"prefill {rows}x{tokens}: "
+        + ", ".join(f"{n} {ms:.3f} ms ({ms / med['torch']:.3f}x)" for n, ms in med.items()),
+        flush=True,
+    )
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "median_ms_per_write": med,
+        "over_torch": {name: ms / med["torch"] for name, ms in med.items()},
+        "profile": profile(graphs, 3),
+        "replays": replays,
+    }
 
 
 if __name__ == "__main__":

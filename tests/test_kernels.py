@@ -652,8 +652,9 @@ def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
 def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """BatchedDecoder with glue='triton' (LayerNorm, rotary + cache write, SwiGLU kernels)
-    against glue='torch', both over the attention kernel: three rows of other prompt lengths,
+    """BatchedDecoder with glue='triton' (LayerNorm, rotary + cache write, SwiGLU kernels;
+    its prompt writes' norms and SwiGLU too) against glue='torch', both over the attention
+    kernel: three rows of other prompt lengths,
     greedy, float32, four steps: the same tokens, the same caches, teacher-forced logits
     within rounding; and the kernels did run (each once per layer and step)."""
     from orchestrate.api.config import ModelSpec, SamplingConfig
@@ -691,7 +692,8 @@ def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
             logits.append(BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
                           .teacher_forced(prompts, forced))  # fmt: skip
     layers = model.config.num_hidden_layers
-    assert calls == {"rope": layers * 7, "swiglu": layers * 7}  # 4 steps + 3 forced, glue triton
+    # glue triton: 4 steps and 3 forced rotate; their SwiGLU also runs in the 2 prompt writes
+    assert calls == {"rope": layers * 7, "swiglu": layers * 9}
     assert steps[0] == steps[1]
     assert rel_err(caches[1], caches[0]) < 1e-5
     for (a, ia), (c, ic) in zip(*logits, strict=True):

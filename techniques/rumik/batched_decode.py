@@ -39,7 +39,7 @@ from orchestrate.families.rumik.engine import Projections, layer_norm, stock_eng
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
-from orchestrate.techniques.rumik.fp8_projections import FP8, quantize_rows
+from orchestrate.techniques.rumik.fp8_projections import FP8, quantize_activations, quantize_rows
 from orchestrate.techniques.rumik.packed_projections import Packed
 from orchestrate.techniques.rumik.static_kv_cache import rotate_half_pairs
 
@@ -182,10 +182,17 @@ class BatchedDecoder:
     def _layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend
     ) -> torch.Tensor:
-        """x [b, t, H] through every block; `attend(i, q, k, v)` writes the cache and attends."""
+        """x [b, t, H] through every block; `attend(i, q, k, v)` writes the cache and attends.
+        With glue 'triton' (here: prompt writes; its steps run `_forward_fused`) the norms
+        and the SwiGLU are one kernel each, as in its steps."""
         b, t = x.shape[:2]
+        norm, swiglu_rows = layer_norm, None
+        if self.glue == "triton":
+            from orchestrate.techniques.rumik.kernels import rope_norm, swiglu
+
+            norm, swiglu_rows = rope_norm.layer_norm, swiglu.swiglu_rows
         for i, norm_w in enumerate(self.norms):
-            xn = layer_norm(x, norm_w, self.eps)
+            xn = norm(x, norm_w, self.eps)
             q, k, v, gate, up = self.proj.qkvgu(i, xn)
             q = q.view(b, t, self.hq, self.d).transpose(1, 2)
             k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
@@ -193,8 +200,12 @@ class BatchedDecoder:
             if self.sliding[i]:  # full-attention layers carry no positional encoding
                 q, k = rotate_half_pairs(q, cos, sin), rotate_half_pairs(k, cos, sin)
             attn = attend(i, q, k, v).transpose(1, 2).reshape(b, t, self.hq * self.d)
-            x = self._residual(i, x, attn, F.silu(gate) * up)
-        return layer_norm(x, self.final_norm, self.eps)
+            if swiglu_rows is None:
+                act = F.silu(gate) * up
+            else:  # [b, t, F] column slices: b * t strided rows
+                act = swiglu_rows(gate.reshape(b * t, -1), up.reshape(b * t, -1)).view(b, t, -1)
+            x = self._residual(i, x, attn, act)
+        return norm(x, self.final_norm, self.eps)
 
     def _residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
@@ -211,13 +222,18 @@ class BatchedDecoder:
 
     def _write(self, i: int, at: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values [..., d] into layer i's cache at index `at` (rows, heads,
-        positions); fp8: each vector quantized with its own scale (APPROXIMATE)."""
+        positions); fp8: each vector quantized with its own scale (APPROXIMATE), with glue
+        'triton' by one kernel (kernels/fp8_rows.py on CUDA: the same bytes)."""
         if self.kv != "fp8":
             self.k[(i, *at)] = k
             self.v[(i, *at)] = v
             return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, scale = quantize_rows(x)
+            if self.glue == "triton":
+                q, scale = quantize_activations(x.reshape(-1, x.shape[-1]))
+                q, scale = q.view(x.shape), scale.view(*x.shape[:-1], 1)
+            else:
+                q, scale = quantize_rows(x)
             cache[(i, *at)] = q
             scales[(i, *at)] = scale[..., 0]
 
