@@ -131,13 +131,20 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(r) for r in args.rows.split(",")]
     profiled = {int(r) for r in args.profile_rows.split(",") if r}
+    try:
+        prefills = [tuple(map(int, s.split("x"))) for s in args.prefill.split(",") if s]
+    except ValueError:
+        ap.error(f"--prefill {args.prefill!r}: ROWSxTOKENS, comma-separated (e.g. 1x128)")
+    if any(len(p) != 2 or min(p) < 1 or p[1] > args.context for p in prefills):
+        ap.error(f"--prefill {args.prefill!r}: each ROWSxTOKENS positive, TOKENS <= --context")
+    rows = max(levels + [n for n, _ in prefills])  # the decoders' cache rows
     dev = torch.device("cuda")
     model = get_family("rumik").build_model(
         ModelSpec(preset=args.preset, device=dev.type, dtype="bfloat16")
     )
     # one decoder per cache dtype; a variant is (its glue, the decoder of its cache)
     decs = {
-        kv: BatchedDecoder(model, max(levels), args.context + 16, SamplingConfig(), "triton", kv=kv)
+        kv: BatchedDecoder(model, rows, args.context + 16, SamplingConfig(), "triton", kv=kv)
         for kv in ("model", "fp8")
     }
     variants = {
@@ -147,7 +154,7 @@ def main() -> None:
         from orchestrate.techniques.rumik.fp8_projections import Fp8Packed
 
         decs["fp8_proj"] = BatchedDecoder(
-            model, max(levels), args.context + 16, SamplingConfig(), "triton",
+            model, rows, args.context + 16, SamplingConfig(), "triton",
             projections=Fp8Packed(model), kv="fp8",
         )  # fmt: skip
         variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"])
@@ -235,10 +242,7 @@ def main() -> None:
                 flush=True,
             )
             del graphs
-        doc["prefill"] = [
-            time_prefill(variants, int(n), int(t), args.replays)
-            for n, t in (shape.split("x") for shape in args.prefill.split(",") if shape)
-        ]
+        doc["prefill"] = [time_prefill(variants, n, t, args.replays) for n, t in prefills]
     args.out.write_text(json.dumps(doc, indent=1))
 
 
