@@ -202,7 +202,9 @@ class MimiStream:
         values are gathered, the chunk's appended, and the last `window` written back (three
         passes over the window a layer). `ring`: the chunk's keys and values go into ring
         slots (position % slots), and attention reads the row's ring once, a slot masked by
-        the position it holds. The same keys either way; the softmax sums in another order."""
+        the position it holds: gathered for a masked SDPA, or read in place by
+        `ring_attention` (a kernel). The same keys every way; the softmax sums in another
+        order."""
         from transformers.models.mimi.modeling_mimi import apply_rotary_pos_emb
 
         b, t, _ = x.shape
