@@ -18,8 +18,10 @@ unrounded, beside the GPU, versions and git SHA:
 - `floor_ms`: the step's physical floor on this GPU, from rates measured in this run (HBM
   read: environment.read_bandwidth_gb_s, a 2 GiB amax; bf16 tensor cores: the
   environment's matmul_tflop_s, an 8192^3 matmul): max(bytes / read rate, FLOPs / matmul
-  rate), bytes = the weights the step reads + every row's K/V up to `--context` in
-  the bf16 cache, FLOPs = 2 x the projection and head weights' elements x rows (attention's
+  rate), bytes = the weights the step reads (of the embedding table, its rows only:
+  `step_weight_bytes` + rows x `embedding_row_bytes`; the records up to and including
+  batched-step-fp8-gemv.json counted the whole 1.14 GB table, in `weights_read_bytes`) + every row's K/V up to `--context` in the bf16 cache, FLOPs = 2 x
+  the projection and head weights' elements x rows (attention's
   FLOPs left out: small at this context). `of_floor` = each variant's floor / its median
   ms, the floor of what that variant reads and computes: the FP8 cache's is lower (half the
   cache bytes: `floor_ms_kv8`); with --fp8-projections, `floor_ms_kv8_fp8` counts the FP8
@@ -160,7 +162,11 @@ def main() -> None:
         variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"])
     dec = decs["model"]
     cache_per_row = dec.k[:, 0, :, : args.context].numel() * dec.k.element_size() * 2
-    weights = dec.memory()["weights_read"]
+    # A step reads its rows of the embedding table, not the table (1.14 GB at the real
+    # shape, which memory()'s weights_read holds): the floors count b rows of it.
+    embed_table = dec.embed.numel() * dec.embed.element_size()
+    embed_row = dec.embed.shape[1] * dec.embed.element_size()
+    weights = dec.memory()["weights_read"] - embed_table
     proj_elems = sum(t.numel() for t in dec.proj.tensors())
     matmul_elems = proj_elems + dec.head_w.numel()
     env = capture("cuda", "none", torch.bfloat16)  # measures the bf16 matmul rate
@@ -170,7 +176,7 @@ def main() -> None:
     }
     if args.fp8_projections:
         ceil["fp8_flop_per_s"] = fp8_matmul_tflop_s("cuda") * 1e12
-        weights_fp8 = decs["fp8_proj"].memory()["weights_read"]
+        weights_fp8 = decs["fp8_proj"].memory()["weights_read"] - embed_table
     doc: dict = {
         "environment": env.model_dump(mode="json"),
         "model": {"preset": args.preset, "dtype": "bfloat16", "random_weights": True},
@@ -186,7 +192,8 @@ def main() -> None:
             "kernels/fp8_rows.py, torch._scaled_mm (APPROXIMATE)",
         },
         "ceilings": ceil,
-        "weights_read_bytes": weights,
+        "step_weight_bytes": weights,
+        "embedding_row_bytes": embed_row,
         "cache_bytes_per_row": cache_per_row,
         "levels": [],
     }
@@ -202,13 +209,15 @@ def main() -> None:
             h0, t0 = agree["torch"]
             times = interleaved_replay_ms(graphs, args.replays)
             med = {name: statistics.median(t) for name, t in times.items()}
-            mem_s = (weights + b * cache_per_row) / ceil["read_bytes_per_s"]
-            mem8_s = (weights + b * cache_per_row / 2) / ceil["read_bytes_per_s"]
+            mem_s = (weights + b * (embed_row + cache_per_row)) / ceil["read_bytes_per_s"]
+            mem8_s = (weights + b * (embed_row + cache_per_row / 2)) / ceil["read_bytes_per_s"]
             flop_s = 2 * matmul_elems * b / ceil["bf16_flop_per_s"]
             floor_ms, floor8_ms = 1e3 * max(mem_s, flop_s), 1e3 * max(mem8_s, flop_s)
             floors = {name: floor8_ms if "_kv8" in name else floor_ms for name in med}
             if args.fp8_projections:
-                memf_s = (weights_fp8 + b * cache_per_row / 2) / ceil["read_bytes_per_s"]
+                memf_s = (weights_fp8 + b * (embed_row + cache_per_row / 2)) / ceil[
+                    "read_bytes_per_s"
+                ]
                 proj_s = 2 * proj_elems * b / ceil["fp8_flop_per_s"]
                 head_s = 2 * dec.head_w.numel() * b / ceil["bf16_flop_per_s"]
                 floors["triton_kv8_fp8"] = 1e3 * max(memf_s, proj_s + head_s)
