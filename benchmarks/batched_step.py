@@ -20,13 +20,14 @@ unrounded, beside the GPU, versions and git SHA:
   environment's matmul_tflop_s, an 8192^3 matmul): max(bytes / read rate, FLOPs / matmul
   rate), bytes = the weights the step reads (of the embedding table, its rows only:
   `step_weight_bytes` + rows x `embedding_row_bytes`; the records up to and including
-  batched-step-fp8-gemv.json counted the whole 1.14 GB table, in `weights_read_bytes`) + every row's K/V up to `--context` in the bf16 cache, FLOPs = 2 x
-  the projection and head weights' elements x rows (attention's
-  FLOPs left out: small at this context). `of_floor` = each variant's floor / its median
-  ms, the floor of what that variant reads and computes: the FP8 cache's is lower (half the
-  cache bytes: `floor_ms_kv8`); with --fp8-projections, `floor_ms_kv8_fp8` counts the FP8
-  weights' bytes and their FLOPs at the e4m3 matmul rate, measured in the run like the bf16
-  one (environment.fp8_matmul_tflop_s; the head stays bf16).
+  batched-step-fp8-gemv.json counted the whole 1.14 GB table, in `weights_read_bytes`) +
+  every row's K/V up to `--context` in the bf16 cache, FLOPs = 2 x the projection and head
+  weights' elements x rows (attention's FLOPs left out: small at this context).
+  `of_floor` = each variant's floor / its median ms, the floor of what that variant reads
+  and computes: the FP8 cache's is lower (half the cache bytes: `floor_ms_kv8`); with
+  --fp8-projections, `floor_ms_kv8_fp8` counts the FP8 weights' bytes and their FLOPs at the
+  e4m3 matmul rate, measured in the run like the bf16 one (environment.fp8_matmul_tflop_s;
+  the head stays bf16).
 - `prefill` (`--prefill 1x128,4x128`): each variant's prompt write (`write_prompts`, what a
   server's admission replays: ROWS prompts of TOKENS tokens into their cache rows) as a
   graph, timed the same way and profiled (its glue: with `triton`, the norms and SwiGLU as
