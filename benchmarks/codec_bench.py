@@ -15,7 +15,7 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
   bf16        the decoder in bfloat16 (APPROXIMATE).
 Each variant's audio is compared with fp32-exact's (or, without it in --variants, the first
 variant's): max |diff| over the reference's peak, recorded beside its time.
-`--variants fp32,bf16` times a subset. All four in one process faulted on an H100 with an
+`--variants fp32,bf16` times a subset. The first four in one process faulted on an H100 with an
 illegal memory access at the first replays, unexplained (benchmarks/h100/serving/
 codec-bench-illegal-address.log); each alone ran clean (codec-alone.log): time them one
 at a time.
@@ -87,6 +87,11 @@ def main() -> None:
     bf16 = build_codec(torch.bfloat16) if "bf16" in names else None
     codecs = {name: bf16 if name == "bf16" else fp32 for name in names}
     tf32 = {name: name != "fp32-exact" for name in VARIANTS}
+    ring_kernel = None  # imported (Triton) only where a variant reads the ring in place
+    if any(name.endswith("-triton") for name in names):
+        from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
+
+        ring_kernel = ring_attention
     quantizers = fp32.config.num_quantizers
     for frames in (int(f) for f in args.frames.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -98,11 +103,7 @@ def main() -> None:
             for name, codec in codecs.items():
                 torch.backends.cudnn.allow_tf32 = tf32[name]  # baked in at capture
                 kv = "ring" if "-ring" in name else "gather"
-                kernel = None
-                if name.endswith("-triton"):
-                    from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
-
-                    kernel = ring_attention
+                kernel = ring_kernel if name.endswith("-triton") else None
                 stream = MimiStream(codec, rows, kv, max_frames=frames, ring_attention=kernel)
                 try:
                     run = functools.partial(stream.decode, index, codes)

@@ -1,5 +1,5 @@
 """Where fp8_projections' time goes at the Rumik shape (issue 34): a step's 36 layers of
-projections (q,k,v,gate,up packed; o; down), three ways:
+projections (q,k,v,gate,up packed; o; down), four ways:
 
   bf16:       F.linear over the bf16 weights (what the exact server runs)
   fp8:        fp8_linear: each activation row quantized by one kernel
