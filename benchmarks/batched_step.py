@@ -32,6 +32,10 @@ unrounded, beside the GPU, versions and git SHA:
   server's admission replays: ROWS prompts of TOKENS tokens into their cache rows) as a
   graph, timed the same way and profiled (its glue: with `triton`, the norms and SwiGLU as
   kernels and, with the FP8 cache, one quantization kernel per tensor).
+- `chunks` (`--chunks 128,256`): per row count, each kernel-glue variant's step carrying C
+  prompt tokens (chunked prefill: one prompt of C tokens into the scratch row) against the
+  same variant's plain step, graphs interleaved: `added_ms` = the chunk's cost inside a
+  step, to set against a prompt write of its own (`prefill`).
 """
 
 from __future__ import annotations
@@ -126,6 +130,12 @@ def main() -> None:
         "variant's write_prompts (a server's admission) as a graph, profiled",
     )
     ap.add_argument(
+        "--chunks",
+        default="",
+        help="prompt tokens a step carries (chunked prefill), comma-separated (e.g. 128,256): "
+        "each kernel-glue variant's step with them against without",
+    )
+    ap.add_argument(
         "--fp8-projections",
         action="store_true",
         help="also variant triton_kv8_fp8: fp8_projections (APPROXIMATE, Hopper) on top",
@@ -140,14 +150,24 @@ def main() -> None:
         ap.error(f"--prefill {args.prefill!r}: ROWSxTOKENS, comma-separated (e.g. 1x128)")
     if any(len(p) != 2 or min(p) < 1 or p[1] > args.context for p in prefills):
         ap.error(f"--prefill {args.prefill!r}: each ROWSxTOKENS positive, TOKENS <= --context")
+    try:
+        chunks = [int(c) for c in args.chunks.split(",") if c]
+    except ValueError:
+        ap.error(f"--chunks {args.chunks!r}: token counts, comma-separated (e.g. 128,256)")
+    if any(not 0 < c <= args.context for c in chunks):
+        ap.error(f"--chunks {args.chunks!r}: each positive, at most --context")
     rows = max(levels + [n for n, _ in prefills])  # the decoders' cache rows
+    most = max(chunks, default=0)  # chunk_tokens needs the kernel glue at construction
     dev = torch.device("cuda")
     model = get_family("rumik").build_model(
         ModelSpec(preset=args.preset, device=dev.type, dtype="bfloat16")
     )
     # one decoder per cache dtype; a variant is (its glue, the decoder of its cache)
+    chunked = {"glue": "triton", "chunk_tokens": most} if most else {}
     decs = {
-        kv: BatchedDecoder(model, rows, args.context + 16, SamplingConfig(), "triton", kv=kv)
+        kv: BatchedDecoder(
+            model, rows, args.context + 16, SamplingConfig(), "triton", kv=kv, **chunked
+        )
         for kv in ("model", "fp8")
     }
     variants = {
@@ -158,7 +178,7 @@ def main() -> None:
 
         decs["fp8_proj"] = BatchedDecoder(
             model, rows, args.context + 16, SamplingConfig(), "triton",
-            projections=Fp8Packed(model), kv="fp8",
+            projections=Fp8Packed(model), kv="fp8", **chunked,
         )  # fmt: skip
         variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"])
     dec = decs["model"]
@@ -241,6 +261,10 @@ def main() -> None:
             }
             if b in profiled:
                 level["profile"] = profile(graphs, 5)
+            if chunks:
+                del graphs
+                level["chunks"] = [time_chunk(variants, b, c, args.replays) for c in chunks]
+                graphs = {}
             doc["levels"].append(level)
             print(
                 f"rows {b:4d}: "
@@ -254,6 +278,32 @@ def main() -> None:
             del graphs
         doc["prefill"] = [time_prefill(variants, n, t, args.replays) for n, t in prefills]
     args.out.write_text(json.dumps(doc, indent=1))
+
+
+def time_chunk(variants: dict, b: int, c: int, replays: int) -> dict:
+    """Each kernel-glue variant's step over b rows carrying c prompt tokens (one prompt
+    into the scratch row at positions [0, c)) against its plain step, interleaved."""
+    graphs = {}
+    for name, (glue, d) in variants.items():
+        if glue != "triton":
+            continue
+        d.glue = glue
+        gen = torch.Generator().manual_seed(c)
+        ids = torch.randint(1, d.embed.shape[0], (c,), generator=gen).tolist()
+        d.stage_chunk([d.scratch] * c, list(range(c)), ids, c)
+        for carried in (0, c):
+            step = warm_and_capture(lambda d=d, n=carried: d.step(b, d.capacity, n))[0]
+            graphs[f"{name}+{carried}"] = step
+    times = interleaved_replay_ms(graphs, replays)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    names = sorted({key.rsplit("+", 1)[0] for key in med})
+    added = {n: med[f"{n}+{c}"] - med[f"{n}+0"] for n in names}
+    print(
+        f"rows {b:4d} + chunk {c}: "
+        + ", ".join(f"{n} {med[f'{n}+0']:.3f} -> {med[f'{n}+{c}']:.3f} ms" for n in names),
+        flush=True,
+    )
+    return {"tokens": c, "median_ms_per_step": med, "added_ms": added, "replays": replays}
 
 
 def time_prefill(variants: dict, rows: int, tokens: int, replays: int) -> dict:

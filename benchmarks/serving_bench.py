@@ -65,21 +65,18 @@ GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact 
 
 
 def path_name(
-    attention: str, codec: str, projections: str = "bf16", kv: str = "model", glue: str = "torch"
+    attention: str,
+    codec: str,
+    projections: str = "bf16",
+    kv: str = "model",
+    glue: str = "torch",
+    chunk: int = 0,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = ("_fp8" if projections == "fp8" else "") + ("_kv8" if kv == "fp8" else "")
-    return PATHS[attention] + overlap + fp8 + ("_glue" if glue == "triton" else "")
+    chunked = f"_chunk{chunk}" if chunk else ""
+    return PATHS[attention] + overlap + fp8 + ("_glue" if glue == "triton" else "") + chunked
 
-
-ALL_PATHS = [
-    path_name(a, c, p, kv, g)
-    for g in GLUES
-    for kv in KVS
-    for p in PROJECTIONS
-    for c in CODECS
-    for a in PATHS
-]
 
 NOT_BUILT = [
     "this curve through the runner: `orchestrate run` serves one load per job through "
@@ -155,6 +152,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="sdpa",
         help="the codec transformer's attention: sdpa over the gathered window, or triton "
         "(kernels/ring_attention.py: each row's ring read in place; needs --codec-kv ring)",
+    )
+    ap.add_argument(
+        "--chunk-tokens",
+        default="0",
+        help="prompt writes, comma-separated, each a path: 0, a pass of their own per "
+        "admission; N, chunked prefill, at most N prompt tokens riding along each decode "
+        "step (needs --glue triton alone)",
     )
     ap.add_argument(
         "--admit-every",
@@ -296,6 +300,14 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
         raise LoadError(f"--admit-every must be at least 1 (got {args.admit_every})")
+    try:
+        chunks = [int(c) for c in args.chunk_tokens.split(",")]
+    except ValueError:
+        chunks = [-1]
+    if any(c < 0 or c > 1024 for c in chunks):
+        raise LoadError(f"--chunk-tokens {args.chunk_tokens!r}: each 0 to 1024")
+    if any(chunks) and glues != ["triton"]:
+        raise LoadError("--chunk-tokens above 0 needs --glue triton alone")
     if args.batch1_vs:
         if 1 not in levels:
             raise LoadError("--batch1-vs compares at 1 stream: --levels must include 1")
@@ -503,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
                 "triton": "one kernel each: LayerNorm, every row's rotary + cache write at its "
                 "own position, SwiGLU (batched_decode glue: triton; exact up to rounding order)",
             },
+            "chunk_tokens": {
+                "0": "each admission's prompts written by a pass of their own (every weight "
+                "read again), padded to a (rows, tokens) bucket's graph",
+                "N": "chunked prefill (paths suffixed _chunkN): at most N prompt tokens ride "
+                "along each decode step as extra rows, each written into its stream's cache "
+                "row and attending over it by the kernels' row maps; the same cache up to "
+                "rounding order (with kv fp8, a prompt attends over its quantized keys)",
+            },
         },
         "baseline_b": {
             "what": "transformers generate(), StaticCache reused per batch size, auto "
@@ -529,15 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p, kv, g)
+        (a, c, p, kv, g, n)
+        for n in map(int, args.chunk_tokens.split(","))
         for g in args.glue.split(",")
         for kv in args.kv.split(",")
         for p in args.projections.split(",")
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj, kv, glue) in enumerate(runs):  # one server at a time
-        path = path_name(attention, codec, proj, kv, glue)
+    for which, (attention, codec, proj, kv, glue, chunk) in enumerate(runs):  # one at a time
+        path = path_name(attention, codec, proj, kv, glue, chunk)
         fp8 = Fp8Packed(model) if proj == "fp8" else None
         vs_exact = None
         if fp8 is not None or kv == "fp8":
@@ -559,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             projections=fp8,
             kv=kv,
             glue=glue,
+            chunk_tokens=chunk,
         )
         del fp8  # the server holds it; freed with it
         about = {
@@ -567,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             "projections": proj,
             "kv": kv,
             "glue": glue,
+            "chunk_tokens": chunk,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact
@@ -729,7 +752,7 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     """Where each of our paths' step goes, per level: stacked ms per decode step by phase
     (levels recorded before phases were timed are left out)."""
     levels = [lv for lv in doc["levels"] if lv.get("phase_ms_per_step") and "error" not in lv]
-    paths = [p for p in ALL_PATHS if any(lv["path"] == p for lv in levels)]
+    paths = list(dict.fromkeys(lv["path"] for lv in levels))  # in the order they ran
     xs = sorted({level_key(lv) for lv in levels}, key=lambda k: (k[0] == "s", int(k.strip("s"))))
     if not paths or not xs:
         ax.set_axis_off()

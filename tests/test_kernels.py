@@ -551,6 +551,41 @@ def test_batched_decode_attention_rows_do_not_see_each_other() -> None:
     assert torch.equal(before[1], after[1]) and not torch.equal(before[0], after[0])
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_batched_decode_attention_maps_queries_to_cache_rows(splits: int) -> None:
+    """With `cache_rows`, query r reads cache row cache_rows[r] of a cache with more rows
+    than queries: three queries share row 2 at lengths 5, 6 and 7 (a prompt's tokens in one
+    step), one reads row 0 and one the last row at length 0 (zeros). Each is bit-for-bit
+    the unmapped kernel over the gathered rows and matches the reference; FP8 caches too."""
+    from orchestrate.techniques.rumik.fp8_projections import quantize_rows
+
+    rows, lengths_list = [2, 2, 2, 0, 4], [5, 6, 7, 40, 0]
+    q = randn(5, 8, 128)
+    k, v = randn(5, 2, 64, 128), randn(5, 2, 64, 128)
+    cache_rows = torch.tensor(rows, device=DEVICE)
+    lengths = torch.tensor(lengths_list, device=DEVICE)
+    kw = dict(window=4, num_splits=splits, block_s=16)
+    out = battn.batched_decode_attention(q, k, v, lengths, cache_rows=cache_rows, **kw)
+    gathered = battn.batched_decode_attention(q, k[cache_rows], v[cache_rows], lengths, **kw)
+    ref = battn.batched_decode_attention_ref(q, k, v, lengths_list, window=4, cache_rows=rows)
+    assert torch.equal(out, gathered)
+    assert rel_err(out[:4], ref[:4]) < tol(torch.float32)
+    assert float(out[4].abs().max()) == 0.0
+    assert not torch.equal(out[0], out[1])  # one row, two lengths: two answers
+    (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+    ks, vs = ks[..., 0].contiguous(), vs[..., 0].contiguous()
+    scaled = dict(k_scale=ks, v_scale=vs)
+    out8 = battn.batched_decode_attention(q, k8, v8, lengths, cache_rows=cache_rows, **kw,
+                                          **scaled)  # fmt: skip
+    ref8 = battn.batched_decode_attention_ref(q, k8, v8, lengths_list, window=4,
+                                              cache_rows=rows, **scaled)  # fmt: skip
+    assert rel_err(out8[:4], ref8[:4]) < tol(torch.float32)
+    with pytest.raises(ValueError, match=r"cache_rows must be \[5\] int32 or int64"):
+        battn.batched_decode_attention(q, k, v, lengths, cache_rows=cache_rows[:4])
+    with pytest.raises(ValueError, match="5 query rows but caches of 4"):
+        battn.batched_decode_attention(q, k[:4], v[:4], lengths)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_attention_over_an_fp8_cache_is_attention_over_its_dequantized_values(
     dtype: torch.dtype,
@@ -702,6 +737,97 @@ def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
         BatchedDecoder(model, 3, 256, greedy, "sdpa", glue="triton")
     with pytest.raises(ValueError, match="glue 'fused': one of torch, triton"):
         BatchedDecoder(model, 3, 256, greedy, "triton", glue="fused")
+
+
+def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:
+    """chunk_tokens (glue 'triton', float32): two prompts go into rows 1 and 2 as 16-token
+    chunks riding along steps of row 0, which decodes meanwhile (rows 1 and 2 held inside
+    the step's rows), the longer prompt across steps. Their caches match write_prompts'
+    within rounding (the same maths; the chunk's attention is the kernel's, not SDPA);
+    row 0 draws the tokens plain steps draw; once armed, rows 1 and 2 draw the tokens they
+    draw after write_prompts."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    texts = ["Hi.", "A longer sentence, to span a few chunks of prompt.", "Ok, go."]
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in texts]
+    greedy, cap = SamplingConfig(top_k=1), 128
+    seeds, ends = [1, 2, 3], [False] * 3
+
+    def decoder(chunk: int = 0) -> BatchedDecoder:
+        return BatchedDecoder(model, 3, cap, greedy, "triton", glue="triton", chunk_tokens=chunk)
+
+    with torch.inference_mode():
+        whole = decoder()  # every prompt by write_prompts, then 4 steps
+        whole.prefill([0, 1, 2], prompts, seeds, ends)
+        whole_cache = [t.clone() for t in (whole.k, whole.v)]
+        whole_tokens = [whole.step(3, cap).tolist() for _ in range(4)]
+        plain = decoder()  # row 0 alone, plain steps
+        plain.prefill([0], prompts[:1], seeds[:1], ends[:1])
+        chunked = decoder(16)
+        chunked.prefill([0], prompts[:1], seeds[:1], ends[:1])
+        chunked.hold([1, 2])
+        queue = [(r, p, t) for r in (1, 2) for p, t in enumerate(prompts[r][:-1])]
+        row0 = []
+        for i in range(0, len(queue), 16):
+            part = queue[i : i + 16]
+            chunked.stage_chunk(*(list(x) for x in zip(*part, strict=True)), c=16)
+            row0.append((chunked.step(3, cap, 16)[0].item(), plain.step(3, cap)[0].item()))
+        assert len(row0) >= 3  # the longer prompt crossed a step
+        chunked.arm([1, 2], prompts[1:], seeds[1:], ends[1:])
+        for r in (1, 2):
+            t = len(prompts[r]) - 1
+            for got, want in zip((chunked.k, chunked.v), whole_cache, strict=True):
+                assert rel_err(got[:, r, :, :t], want[:, r, :, :t]) < 1e-5, r
+        tokens = [chunked.step(3, cap).tolist() for _ in range(4)]
+    assert all(a == b for a, b in row0)
+    assert [t[1:] for t in tokens] == [t[1:] for t in whole_tokens]
+    with pytest.raises(ValueError, match="positive with glue 'triton'"):
+        BatchedDecoder(model, 3, cap, greedy, "triton", chunk_tokens=16)
+    with pytest.raises(ValueError, match="1 to 16 tokens"):
+        chunked.stage_chunk([1] * 17, list(range(17)), [5] * 17, c=16)
+
+
+def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -> None:
+    """BatchedServer with chunk_tokens 16 (kernel glue, float32, greedy, two rows, three
+    requests: a row refilled, prompts split across steps while another row decodes)
+    against the same server writing prompts apart: every request's tokens equal; steps
+    carried the prompts (counted), and nothing was left pending or held."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_server import BatchedServer, ServeRequest
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    texts = ["Hi.", "A longer sentence, to span a few chunks of prompt.", "Ok, go."]
+    reqs = [
+        ServeRequest(k, model.encode_prompt(build_prompt(t, "Ira", "neutral")), 1 + k, seed=k)
+        for k, t in enumerate(texts)
+    ]
+    runs = []
+    for chunk in (0, 16):
+        server = BatchedServer(model, 2, 128, SamplingConfig(top_k=1), graphs=False,
+                               codec=False, attention="triton", glue="triton",
+                               chunk_tokens=chunk)  # fmt: skip
+        waiting = list(reqs)
+        with torch.inference_mode():
+            while waiting or server.live():
+                waiting = waiting[server.admit(waiting) :]
+                server.step()
+        runs.append(server)
+    writes, chunks = runs
+    assert sorted(chunks.tokens) == [0, 1, 2] and chunks.tokens == writes.tokens
+    prompt_tokens = sum(len(r.prompt_ids) - 1 for r in reqs)
+    assert chunks.stats.chunk_tokens == prompt_tokens and chunks.stats.prefill_writes["chunk"] > 3
+    assert "chunk" not in writes.stats.prefill_writes
+    assert not chunks.pending and not chunks.row_prefilling.any()
 
 
 def assert_fp8_agree(got: torch.Tensor, want: torch.Tensor, steps: int = 0) -> None:
@@ -918,6 +1044,50 @@ def test_rope_and_cache_write_rows_each_row_at_its_own_position(
         rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos[:2], cos, sin)
     with pytest.raises(ValueError, match="need 3 rows"):
         rn.rope_and_cache_write_rows(q, k[:2], v[:2], kc, vc, pos, cos, sin)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rope_and_cache_write_rows_writes_the_cache_row_its_map_gives(fp8: bool) -> None:
+    """With `cache_rows`, row r writes cache row cache_rows[r] at pos[r]: two rows of one
+    prompt into cache row 2 at positions 5 and 6, one into row 0 at 3, and one at position
+    -1 that writes nothing (a row whose stream is being prefilled); q of every row rotated
+    at its own position. Against the reference row by row, nothing else written."""
+    cos, sin = rn.rope_cos_sin(512, device=DEVICE)
+    q, k, v = randn(4, 16, 128), randn(4, 4, 128), randn(4, 4, 128)
+    dt = torch.float8_e4m3fn if fp8 else torch.float32
+    kc, vc = (torch.zeros(4, 4, 16, 128, device=DEVICE).to(dt) for _ in range(2))
+    scales = {}
+    if fp8:
+        scales = {"k_scale": torch.zeros(4, 4, 16, device=DEVICE),
+                  "v_scale": torch.zeros(4, 4, 16, device=DEVICE)}  # fmt: skip
+    rows, positions = [2, 2, 0, 3], [5, 6, 3, -1]
+    q_out = rn.rope_and_cache_write_rows(
+        q, k, v, kc, vc, torch.tensor(positions, device=DEVICE), cos, sin,
+        cache_rows=torch.tensor(rows, device=DEVICE), **scales,
+    )  # fmt: skip
+    written = torch.zeros(4, 16, dtype=torch.bool)
+    for r, (row, p) in enumerate(zip(rows[:3], positions[:3], strict=True)):
+        one_k, one_v = (torch.zeros(1, 4, 16, 128, device=DEVICE).to(dt) for _ in range(2))
+        one_s = {n: torch.zeros(1, 4, 16, device=DEVICE) for n in scales}
+        want_q = rn.rope_and_cache_write_rows_ref(
+            q[r : r + 1], k[r : r + 1], v[r : r + 1], one_k, one_v, [p], cos, sin, **one_s
+        )
+        assert rel_err(q_out[r], want_q[0]) < tol(torch.float32)
+        for got, want in ((kc[row, :, p], one_k[0, :, p]), (vc[row, :, p], one_v[0, :, p])):
+            if fp8:  # the kernel's e4m3 rounding against torch's: within a step
+                assert_fp8_agree(got, want)
+            else:
+                assert torch.equal(got, want)
+        for name in scales:
+            assert rel_err(scales[name][row, :, p], one_s[name][0, :, p]) < 1e-6
+        written[row, p] = True
+    assert rel_err(q_out[3], q[3]) == 0.0  # outside the table: not rotated
+    untouched = ~written[:, None, :].expand(4, 4, 16)  # [rows, heads, positions]
+    assert kc[untouched].float().abs().max() == 0.0 and vc[untouched].float().abs().max() == 0.0
+    with pytest.raises(ValueError, match=r"cache_rows must be \[4\] int32 or int64"):
+        rn.rope_and_cache_write_rows(q, k, v, kc, vc, torch.tensor(positions, device=DEVICE),
+                                     cos, sin, cache_rows=torch.zeros(3, dtype=torch.long,
+                                     device=DEVICE), **scales)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -521,6 +521,32 @@ def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
     assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
+@pytest.mark.gpu
+def test_chunked_prefill_graphed_serves_the_tokens_prompt_writes_serve_on_gpu():
+    """chunk_tokens 16 and 64 with graphs (one per batch and chunk bucket, captured in
+    warm_up), kernel glue, float32, greedy, two rows refilled by four requests: each
+    request's tokens are those of the same server writing its prompts apart."""
+    gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    runs = []
+    for chunk in (0, 16, 64):
+        server = BatchedServer(gpu_model, 2, 256, GREEDY, graphs=True, codec=False,
+                               attention="triton", glue="triton", chunk_tokens=chunk)  # fmt: skip
+        captured = server.warm_up()
+        if chunk:
+            assert captured == len(server.batch_buckets) * (1 + len(server.chunk_buckets))
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        assert (server.stats.prefill_writes.get("chunk", 0) > 0) == (chunk > 0)
+        runs.append(server.tokens)
+    assert sorted(runs[0]) == [0, 1, 2, 3]
+    assert runs[0] == runs[1] == runs[2]
+
+
 def _bench():
     import importlib.util
     from pathlib import Path
@@ -545,6 +571,8 @@ def _bench():
         (["--glue", "fused"], "--glue 'fused': each one of torch, triton"),
         (["--glue", "torch,triton"], "--glue triton needs --attention triton alone"),
         (["--codec-attention", "triton"], "--codec-attention triton needs --codec-kv ring"),
+        (["--chunk-tokens", "64"], "--chunk-tokens above 0 needs --glue triton alone"),
+        (["--chunk-tokens", "sixty"], "--chunk-tokens 'sixty': each 0 to 1024"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

@@ -19,7 +19,14 @@ another order.
 
 Prefill writes a new request's prompt (all but its last token) into a free row while the
 other rows keep their state; the next step then reads the last prompt token and samples the
-first audio token, so prefill needs no head of its own.
+first audio token, so prefill needs no head of its own. Two ways: `write_prompts`, a pass
+of its own over the prompts (every weight read again), or, with glue 'triton' and
+`chunk_tokens`, chunked prefill: up to that many prompt tokens ride along a decode step as
+extra rows of its projections, each written into its stream's cache row at its own
+position by the rotary kernel and attending over that row's positions up to its own by the
+attention kernel (their row maps; the layer's keys are all written before it attends, so a
+chunk's tokens see each other causally). A held row (`hold`) is being prefilled: its own
+step query sits at position -1, writing nothing and reading nothing.
 
 The sampler draws with the Gumbel-max trick, its noise a hash of (row seed, token index,
 column): a row's tokens depend on its own seed and logits only, never on which other rows
@@ -87,6 +94,7 @@ class BatchedDecoder:
         projections: Projections | None = None,
         kv: str = "model",
         glue: str = "torch",
+        chunk_tokens: int = 0,
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
@@ -96,6 +104,11 @@ class BatchedDecoder:
             raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
         if why := glue_refusal(glue, attention):
             raise ValueError(why)
+        if chunk_tokens < 0 or (chunk_tokens and glue != "triton"):
+            raise ValueError(
+                f"chunk_tokens {chunk_tokens}: 0 (prompts written apart), or positive with "
+                "glue 'triton' (the row maps of its rotary and attention kernels)"
+            )
         self.kv, self.glue = kv, glue
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
@@ -152,6 +165,12 @@ class BatchedDecoder:
         self.active = torch.zeros(rows, **long)  # 1 while the row generates
         self.allow_end = torch.zeros(rows, dtype=torch.bool, device=dev)  # length policy 'model'
         self.out = torch.zeros(rows, **long)  # the token id each row sampled this step
+        # Chunked prefill: the prompt tokens a step carries, each (cache row, position, id);
+        # padding tokens write position 0 of `scratch`.
+        self.chunk_tokens = chunk_tokens
+        self.chunk_rows = torch.full((chunk_tokens,), self.scratch, **long)
+        self.chunk_pos = torch.zeros(chunk_tokens, **long)
+        self.chunk_ids = torch.zeros(chunk_tokens, **long)
         self.stop_from = sampling.min_tokens_before_stop
 
     def memory(self) -> dict[str, int]:
@@ -284,13 +303,37 @@ class BatchedDecoder:
         self.allow_end[r] = torch.tensor(allow_end, device=dev)
         self.active[r] = 1
 
+    def hold(self, rows: list[int]) -> None:
+        """Rows whose prompts go in by chunks: inactive, at position -1 until `arm`, so their
+        step queries write no key and read no position while their prompts are written."""
+        r = torch.tensor(rows, device=self.ids.device)
+        self.active[r] = 0
+        self.pos[r] = -1
+
+    def stage_chunk(self, rows: list[int], positions: list[int], ids: list[int], c: int) -> None:
+        """The prompt tokens the next `step(b, s, c)` carries: token j into cache row
+        rows[j] at positions[j]; padded to `c` with tokens writing `scratch`."""
+        n = len(ids)
+        if not 0 < n <= c <= self.chunk_tokens or len(rows) != n or len(positions) != n:
+            raise ValueError(f"stage_chunk: 1 to {c} tokens (at most {self.chunk_tokens})")
+        pad = c - n
+        for buf, values, fill in (
+            (self.chunk_rows, rows, self.scratch),
+            (self.chunk_pos, positions, 0),
+            (self.chunk_ids, ids, 0),
+        ):
+            buf[:c].copy_(torch.tensor(list(values) + [fill] * pad))
+
     # ------------------------------------------------------------------ one step
 
-    def step(self, b: int, s: int) -> torch.Tensor:
-        """One token for rows [0, b) attending over positions [0, s): graph-capturable (reads
-        and writes only the state buffers). Returns `out[:b]`, the sampled token ids."""
+    def step(self, b: int, s: int, c: int = 0) -> torch.Tensor:
+        """One token for rows [0, b) attending over positions [0, s), carrying the first `c`
+        staged prompt tokens (`stage_chunk`): graph-capturable (reads and writes only the
+        state buffers). Returns `out[:b]`, the sampled token ids."""
+        if c and not 0 < c <= self.chunk_tokens:
+            raise ValueError(f"step: c {c} beyond chunk_tokens {self.chunk_tokens}")
         pos, count, active = self.pos[:b], self.count[:b], self.active[:b]
-        hidden = self._forward(b, s)
+        hidden = self._forward_fused(b, c) if c else self._forward(b, s)
         stop = torch.sigmoid(self.model.stop_head(hidden).float())[:, 0] > 0.5
         token = self._sample(hidden, count, stop)
         live = active.bool()
@@ -363,7 +406,7 @@ class BatchedDecoder:
 
         return self._layers(x, cos, sin, attend)[:, 0]  # [b, H]
 
-    def _forward_fused(self, b: int) -> torch.Tensor:
+    def _forward_fused(self, b: int, c: int = 0) -> torch.Tensor:
         """`_forward` with glue 'triton': per layer one LayerNorm kernel, the packed
         projection, one kernel rotating every row's q and k at its own position and writing k
         and v into its cache row, the attention kernel, one SwiGLU kernel and the two output
@@ -372,11 +415,18 @@ class BatchedDecoder:
         eighteen more for the quantization). The same fp32 maths, rounded to the model dtype
         at the same points (exact up to rounding order); an fp8 cache gets the same bytes.
         With projections that take quantized rows (fp8_projections), the norm's and the
-        SwiGLU's kernels also quantize the rows they write, as quantize_rows would."""
+        SwiGLU's kernels also quantize the rows they write, as quantize_rows would.
+        With `c` staged prompt tokens, they are rows b.. of every projection and go to
+        their cache rows through the kernels' row maps; the head reads rows [0, b)."""
         from orchestrate.techniques.rumik.kernels import rope_norm, swiglu
 
-        pos = self.pos[:b]
-        x = F.embedding(self.ids[:b], self.embed)  # [b, H]
+        pos, ids, rows = self.pos[:b], self.ids[:b], {}
+        if c:
+            pos = torch.cat([pos, self.chunk_pos[:c]])
+            ids = torch.cat([ids, self.chunk_ids[:c]])
+            rows = {"cache_rows": torch.cat([self.row_index[:b], self.chunk_rows[:c]])}
+        m = b + c
+        x = F.embedding(ids, self.embed)  # [m, H]
         # FP8 projections: the norm's and the SwiGLU's kernels quantize what they write
         quantized = self.proj.quantized_rows
         for i, norm_w in enumerate(self.norms):
@@ -385,24 +435,27 @@ class BatchedDecoder:
                 q, k, v, gate, up = self.proj.qkvgu_rows(i, xq, xs, x.dtype)
             else:
                 q, k, v, gate, up = self.proj.qkvgu(i, rope_norm.layer_norm(x, norm_w, self.eps))
-            k_cache, v_cache = self.k[i, :b], self.v[i, :b]
+            cached = slice(None) if c else slice(0, b)  # a row map reads any cache row
+            k_cache, v_cache = self.k[i, cached], self.v[i, cached]
             scales = {}
             if self.kv == "fp8":  # written by the rotary kernel, read by attention
-                scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
+                scales = {"k_scale": self.k_scale[i, cached], "v_scale": self.v_scale[i, cached]}
             q = rope_norm.rope_and_cache_write_rows(
-                q.view(b, self.hq, self.d), k.view(b, self.hkv, self.d),
-                v.view(b, self.hkv, self.d), k_cache, v_cache, pos, self.cos_pairs,
-                self.sin_pairs, rotary=self.sliding[i], **scales,
+                q.view(m, self.hq, self.d), k.view(m, self.hkv, self.d),
+                v.view(m, self.hkv, self.d), k_cache, v_cache, pos, self.cos_pairs,
+                self.sin_pairs, rotary=self.sliding[i], **scales, **rows,
             )  # fmt: skip
             span = self.window if self.sliding[i] else 0
-            attn = self.attention(q, k_cache, v_cache, pos, window=span, length_offset=1, **scales)
-            attn = attn.view(b, self.hq * self.d)
+            attn = self.attention(
+                q, k_cache, v_cache, pos, window=span, length_offset=1, **scales, **rows
+            )
+            attn = attn.view(m, self.hq * self.d)
             if quantized:
                 aq, a_s = swiglu.swiglu_rows_fp8(gate, up)
                 x = self.proj.residual_rows(i, x, attn, aq, a_s)
             else:
                 x = self._residual(i, x, attn, swiglu.swiglu_rows(gate, up))
-        return rope_norm.layer_norm(x, self.final_norm, self.eps)
+        return rope_norm.layer_norm(x[:b], self.final_norm, self.eps)
 
     def _logits(
         self, hidden: torch.Tensor, count: torch.Tensor

@@ -6,7 +6,9 @@ The host loop, top to bottom, for one `step()`:
   2. replay that bucket's CUDA graph (captured in `warm_up`; eager on the CPU);
   3. read the b sampled tokens back (the one host sync per step), append them per row;
   4. a row whose token count reached its budget, or that sampled end-of-audio, is freed:
-     the next `admit` prefills a waiting request into it while the other rows go on;
+     the next `admit` prefills a waiting request into it while the other rows go on
+     (`chunk_tokens`: its prompt rides along the next steps, at most that many prompt
+     tokens a step, oldest admission first; armed once its last chunk is written);
   5. every `chunk_frames` completed frames of a row go to the codec (chunk_codec.py),
      batched across the rows that completed one this step; a step reports frames ready
      once their audio is on the host. `codec_overlap=False`: decoded before the step
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,9 @@ from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
 from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
 from orchestrate.techniques.rumik.prompt_writes import PromptWriter
+
+# Chunked prefill's chunk buckets (tokens a step carries), up to the server's chunk_tokens.
+CHUNK_BUCKETS = (32, 64, 128, 256, 512, 1024)
 
 
 class ServingError(ValueError):
@@ -60,7 +66,9 @@ class StepEvent:
 # Where a server's wall time goes, each phase ended by a device sync so its seconds are the
 # device's work plus the host's (a phase's GPU work is not left to land in the next one).
 PHASES = {
-    "prefill": "admissions: prompts written into free rows' caches and the rows armed",
+    "prefill": "admissions: prompts written into free rows' caches and the rows armed "
+    "(chunked prefill: admissions, staging each step's chunk and arming; the chunks' GPU "
+    "work is in the step)",
     "step": "decode steps: graph replay (or eager step) and the sampled tokens' readback "
     "(with codec overlap: the codec's kernels running beside it included, their launch not)",
     "codec": "streaming Mimi decode of completed chunks and their audio's readback",
@@ -82,6 +90,8 @@ class ServerStats:
     # prompt writes by path: "graph" (a bucket's CUDA graph), "padded" (a bucket's shapes,
     # eager), "eager" (the prompts' own shapes: no padding, or longer than every bucket)
     prefill_writes: dict[str, int] = field(default_factory=dict)
+    chunk_tokens: int = 0  # chunked prefill: prompt tokens carried by steps
+    chunk_padding: int = 0  # and the padding tokens their buckets added
     codec_decodes: dict[str, int] = field(default_factory=dict)  # by path, as prefill_writes
     buckets_used: set[tuple[int, int]] = field(default_factory=set)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
@@ -112,12 +122,20 @@ class BatchedServer:
         projections: Projections | None = None,
         kv: str = "model",
         glue: str = "torch",
+        chunk_tokens: int = 0,
     ):
         self.model, self.sampling = model, sampling
         self.dec = BatchedDecoder(
             model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv,
-            glue=glue,
+            glue=glue, chunk_tokens=chunk_tokens,
         )  # fmt: skip
+        # Chunked prefill: prompts ride along steps, at most chunk_tokens tokens a step,
+        # padded to a bucket (a graph per (batch, context, chunk) bucket); `pending` holds
+        # the admitted rows whose prompts are not yet all written: [row, tokens, next].
+        self.chunk_buckets = [n for n in CHUNK_BUCKETS if n < chunk_tokens] + (
+            [chunk_tokens] if chunk_tokens else []
+        )
+        self.pending: deque[list] = deque()
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.chunk_frames = chunk_frames
@@ -152,7 +170,7 @@ class BatchedServer:
         self.ctx_buckets = (
             [max_seq_len] if attention == "triton" else buckets(max_seq_len, (), ctx_stride)
         )
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Padded prompt writes by default where decode steps are graphed (padded eagerly
         # elsewhere only for tests): prompt_writes.py.
         self.prompts = PromptWriter(
@@ -170,6 +188,7 @@ class BatchedServer:
         self.row_decoded = np.zeros(rows, dtype=np.int64)  # its frames handed to the codec
         self.row_ready = np.zeros(rows, dtype=np.int64)  # its frames whose audio is ready
         self.row_finishing = np.zeros(rows, dtype=bool)  # sampled its last; audio pending
+        self.row_prefilling = np.zeros(rows, dtype=bool)  # chunked: its prompt not all written
         self.row_tokens = np.zeros((rows, sampling.max_new_tokens), dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}  # finished request key -> its token ids
 
@@ -186,7 +205,12 @@ class BatchedServer:
             )
             + "at most "
             f"{self.max_prefill_tokens} prompt tokens per admission, written "
-            + self.prompts.described(),
+            + (
+                f"by chunks of at most {self.dec.chunk_tokens} tokens riding along decode "
+                f"steps (padded to {', '.join(map(str, self.chunk_buckets))})"
+                if self.dec.chunk_tokens
+                else self.prompts.described()
+            ),
             "step": graphs if self.graphs_on else "eager steps",
             "attention": "the batched decode-attention kernel, each row over its own filled "
             "positions"
@@ -252,6 +276,8 @@ class BatchedServer:
         """Drop every row (a load level stopped by its time limit leaves some live)."""
         self.row_key[:] = -1
         self.row_finishing[:] = False
+        self.row_prefilling[:] = False
+        self.pending.clear()
         self.dec.active.zero_()
         if self.codec is not None:
             self.codec.clear()
@@ -270,11 +296,11 @@ class BatchedServer:
             return 0
         free = np.flatnonzero(self.row_key < 0)  # lowest rows first: keeps buckets small
         take: list[ServeRequest] = []
-        tokens = 0
+        tokens = sum(len(p[1]) - p[2] for p in self.pending)  # chunked: still to write
         for req in reqs[: len(free)]:
             self.check(req)
             tokens += len(req.prompt_ids)
-            if take and tokens > self.max_prefill_tokens:
+            if (take or self.pending) and tokens > self.max_prefill_tokens:
                 break
             take.append(req)
         if not take:
@@ -282,8 +308,14 @@ class BatchedServer:
         t0 = time.perf_counter()
         rows = [int(r) for r in free[: len(take)]]
         prompts = [r.prompt_ids for r in take]
-        self.prompts.write(rows, prompts, self.stats.prefill_writes)
-        self.dec.arm(rows, prompts, [r.seed for r in take], [r.frames is None for r in take])
+        if self.dec.chunk_tokens:  # written by the next steps, armed after the last chunk
+            self.dec.hold(rows)
+            for row, req in zip(rows, take, strict=True):
+                self.pending.append([row, req.prompt_ids, 0, req])
+            self.row_prefilling[rows] = True
+        else:
+            self.prompts.write(rows, prompts, self.stats.prefill_writes)
+            self.dec.arm(rows, prompts, [r.seed for r in take], [r.frames is None for r in take])
         for row, req in zip(rows, take, strict=True):
             self.row_key[row] = req.key
             self.row_budget[row] = self.budget(req)
@@ -309,16 +341,54 @@ class BatchedServer:
         ]
         return b, s
 
+    def _stage_chunk(self) -> tuple[int, list[int]]:
+        """Chunked prefill: the next prompt tokens (oldest admission first, at most
+        chunk_tokens) staged for the coming step; returns its chunk bucket (0: none) and
+        the rows whose prompts that chunk completes."""
+        rows: list[int] = []
+        positions: list[int] = []
+        ids: list[int] = []
+        completes: list[int] = []
+        room = self.dec.chunk_tokens
+        for entry in self.pending:
+            row, prompt, start = entry[0], entry[1], entry[2]
+            end = min(len(prompt) - 1, start + room - len(ids))
+            rows += [row] * (end - start)
+            positions += range(start, end)
+            ids += prompt[start:end]
+            entry[2] = end
+            if end == len(prompt) - 1:
+                completes.append(row)
+            if len(ids) == room:
+                break
+        if not ids:  # one-token prompts: nothing to write
+            return 0, completes
+        c = self.chunk_buckets[bisect.bisect_left(self.chunk_buckets, len(ids))]
+        self.dec.stage_chunk(rows, positions, ids, c)
+        self.stats.prefill_writes["chunk"] = self.stats.prefill_writes.get("chunk", 0) + 1
+        self.stats.chunk_tokens += len(ids)
+        self.stats.chunk_padding += c - len(ids)
+        return c, completes
+
+    def _arm_prefilled(self, rows: list[int]) -> None:
+        """Chunked prefill: arm the rows whose prompts are written (their next step reads
+        the last prompt token)."""
+        done = [self.pending.popleft() for _ in rows]  # the queue's head, in order
+        reqs = [entry[3] for entry in done]
+        self.dec.arm(rows, [r.prompt_ids for r in reqs], [r.seed for r in reqs],
+                     [r.frames is None for r in reqs])  # fmt: skip
+        self.row_prefilling[rows] = False
+
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """One decode step over the rows still sampling (none: only the codec's pending
         chunks), then the events of rows whose audio became ready or that finished."""
         if self.live() == 0:
             return []
-        sampling = (self.row_key >= 0) & ~self.row_finishing
-        sampled = None
-        if sampling.any():
-            sampled = self._decode_step()
+        sampling = (self.row_key >= 0) & ~self.row_finishing & ~self.row_prefilling
+        sampled, prefilled = None, []
+        if sampling.any() or self.pending:
+            sampled, prefilled = self._decode_step()
         elif self.codec is not None and self.overlap:  # nothing to overlap: launch and wait
             t0 = time.perf_counter()
             launch = self._launch_codec()
@@ -326,6 +396,11 @@ class BatchedServer:
             self.stats.seconds["codec_wait"] += time.perf_counter() - t0 - launch
         t0 = time.perf_counter()
         chunked = self._collect(sampled) if sampled is not None else np.empty(0, np.int64)
+        if prefilled:  # armed after _collect: this step sampled nothing for them
+            t1 = time.perf_counter()
+            self._arm_prefilled(prefilled)
+            self._synced("prefill", t1)
+            t0 += time.perf_counter() - t1
         if self.codec is not None and not self.overlap:
             t1 = time.perf_counter()
             self.codec.launch(self.stats.codec_decodes)  # and waits for the audio
@@ -335,22 +410,29 @@ class BatchedServer:
         self._synced("host", t0)
         return events
 
-    def _decode_step(self) -> np.ndarray:
+    def _decode_step(self) -> tuple[np.ndarray, list[int]]:
+        """One step (carrying the next prompt chunk, if any): its sampled tokens, and the
+        rows whose prompts its chunk completed."""
         b, s = self.bucket()
+        c, completes = 0, []
+        if self.pending:
+            t0 = time.perf_counter()
+            c, completes = self._stage_chunk()
+            self._synced("prefill", t0, sync=False)  # a host copy: nothing left to wait for
         if self.graphs_on:
-            graph, out = self.graphs.get((b, s)) or self._capture(b, s)
+            graph, out = self.graphs.get((b, s, c)) or self._capture(b, s, c)
             t0 = time.perf_counter()  # a capture (outside warm_up) is not a step's time
             graph.replay()
         else:
             t0 = time.perf_counter()
-            out = self.dec.step(b, s)
+            out = self.dec.step(b, s, c)
         launch = self._launch_codec() if self.overlap else 0.0  # while the step runs
         sampled = out.cpu().numpy()  # the step's one host sync
         self._synced("step", t0 + launch, sync=False)
         self.stats.steps += 1
         self.stats.step_rows += b
         self.stats.buckets_used.add((b, s))
-        return sampled
+        return sampled, completes
 
     def _launch_codec(self) -> float:
         """Start the queued chunks on the codec's stream; returns the host seconds it took."""
@@ -366,7 +448,7 @@ class BatchedServer:
         finished sampling; returns the rows that completed a chunk. Vectorised over rows
         (host time here is GPU idle time: the step has synced)."""
         b, pf = len(sampled), self.per_frame
-        live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b]
+        live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b] & ~self.row_prefilling[:b]
         self.row_pos[:b] += live
         ended = live & (sampled == self.model.vocab.end_id)
         keep = np.flatnonzero(live & ~ended)
@@ -428,9 +510,11 @@ class BatchedServer:
             return 0
         for b in self.batch_buckets:
             for s in self.ctx_buckets:
-                self._capture(b, s)
+                for c in [0, *self.chunk_buckets]:
+                    self._capture(b, s, c)
         codec = self.codec.capture_all() if self.codec is not None else 0
-        return len(self.graphs) + self.prompts.capture_all() + codec
+        writes = 0 if self.dec.chunk_tokens else self.prompts.capture_all()
+        return len(self.graphs) + writes + codec
 
     def _pool(self) -> Any:
         """The memory pool every graph of this server shares (graphs replay one at a time;
@@ -440,14 +524,16 @@ class BatchedServer:
         )
         return None if first is None else first[0].pool()
 
-    def _capture(self, b: int, s: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, s: int, c: int = 0) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The (batch, context, chunk) bucket's step graph. Its warm-up runs write the
+        staged chunk's keys (the same values the step will write) and advance no row."""
         d = self.dec
         saved = [t.clone() for t in (d.ids, d.pos, d.count, d.out)]
         active = d.active.clone()
         d.active.zero_()  # warm-up and capture runs must not advance any live row
-        graph, out = warm_and_capture(lambda: d.step(b, s), self._pool())
+        graph, out = warm_and_capture(lambda: d.step(b, s, c), self._pool())
         for t, v in zip((d.ids, d.pos, d.count, d.out), saved, strict=True):
             t.copy_(v)
         d.active.copy_(active)
-        self.graphs[(b, s)] = (graph, out)
+        self.graphs[(b, s, c)] = (graph, out)
         return graph, out

@@ -5,12 +5,12 @@ continuous-batching server: a static cache of `rows` rows with per-row positions
 per-row top-k, a CUDA graph per batch bucket (captured in the untimed warm-up), streaming
 Mimi decode per chunk (between steps, or with `codec: overlap` on a side CUDA stream
 while the next step runs; `glue: triton`, the step's norms, rotary, cache writes and SwiGLU as
-one kernel each). The worker drives it with the workload's load and records per-stream
-figures (running/serving.py). APPROXIMATE: the sampler draws stock's top-k distribution
-from another random stream (as device_sampler's), and with `head: codebook` (the default)
-each row samples only codebook step % 8 (codebook_head's); `head: audio` keeps stock's
-distribution over every audio unit. Each row's tokens equal its batch-one run
-(tests/test_serving.py).
+one kernel each; `chunk_tokens`, new prompts riding along decode steps). The worker drives
+it with the workload's load and records per-stream figures (running/serving.py).
+APPROXIMATE: the sampler draws stock's top-k distribution from another random stream (as
+device_sampler's), and with `head: codebook` (the default) each row samples only codebook
+step % 8 (codebook_head's); `head: audio` keeps stock's distribution over every audio
+unit. Each row's tokens equal its batch-one run (tests/test_serving.py).
 Its fidelity teacher-forces the server's step in one row of a small server beside others,
 and draws from its sampler against stock's on that row's logits (families/rumik/fidelity.py).
 Top-p is not implemented: a workload with top_p < 1 is refused (and were it not, the sampler
@@ -52,6 +52,15 @@ class BatchedDecodeParams(TechniqueParams):
         description="Admit waiting streams at most every N decode steps while others decode "
         "(each prefill reads every weight once: fewer, larger ones trade up to N steps of "
         "first-audio latency for fewer reads).",
+    )
+    chunk_tokens: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="0: each admission's prompts written by a pass of their own (every "
+        "weight read again); N: chunked prefill, at most N prompt tokens ride along each "
+        "decode step as extra rows of its projections (needs glue triton; the same cache up "
+        "to rounding order; with kv fp8 a prompt attends over its quantized keys).",
     )
     kv: Literal["model", "fp8"] = Field(
         "model",
@@ -95,6 +104,8 @@ class BatchedDecodeParams(TechniqueParams):
 
         if why := glue_refusal(self.glue, self.attention):
             raise ValueError(why)
+        if self.chunk_tokens and self.glue != "triton":
+            raise ValueError("chunk_tokens needs glue 'triton' (its kernels' row maps)")
         if self.codec_attention == "triton" and self.codec_kv != "ring":
             raise ValueError("codec_attention 'triton' reads ring slots: set codec_kv 'ring'")
         return self
@@ -108,8 +119,8 @@ class BatchedDecode(Technique):
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
     # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
     # eager ops); 7: `codec_kv` and `codec_attention` (their defaults keep the gathered
-    # window and SDPA)
-    version = 7
+    # window and SDPA); 8: `chunk_tokens` (its default keeps prompts written apart)
+    version = 8
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -163,6 +174,7 @@ class BatchedDecode(Technique):
                 admit_every=params.admit_every,
                 kv=params.kv,
                 glue=params.glue,
+                chunk_tokens=params.chunk_tokens,
                 # a projections technique that serves many rows (fp8_projections), if any
                 projections=engine.projections if engine.projections.serves_rows else None,
             )

@@ -137,3 +137,12 @@ def check_kv_scales(
     if k_scale.stride() != v_scale.stride():
         raise ValueError(f"{name}: k_scale and v_scale must share strides")
     return True
+
+
+def check_cache_rows(name: str, cache_rows: torch.Tensor, b: int, device: torch.device) -> None:
+    """A query -> cache row map: [b] int, contiguous, on the queries' device. Its values are
+    not checked (that would sync with the device): the caller keeps them inside the cache."""
+    if cache_rows.shape != (b,) or cache_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: cache_rows must be [{b}] int32 or int64")
+    if cache_rows.device != device or not cache_rows.is_contiguous():
+        raise ValueError(f"{name}: cache_rows must be contiguous, on the queries' device")

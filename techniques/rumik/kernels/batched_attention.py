@@ -12,6 +12,10 @@ Contract
   above S_max is not caught (checking it would sync with the device): the caller keeps
   its positions inside the cache (BatchedServer refuses a request that would not fit).
 - window > 0: each row attends to its last `window` positions only (sliding layers).
+- cache_rows: [B] int ON THE DEVICE, or None: query r reads cache row cache_rows[r] of
+  caches with any number of rows (several queries may share one: a prompt's tokens
+  written in one step, each at its own length; batched_decode's chunked prefill); None,
+  query r reads cache row r.
 - k_scale, v_scale: [B, Hkv, S_max] float32 (one stride layout for both, a contiguous last
   dim) with FP8 (e4m3) caches: position p's key is k_cache[..., p, :] * k_scale[..., p],
   its value likewise (APPROXIMATE: batched_decode's `kv: fp8`); None for a bf16/fp32
@@ -34,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_kv_scales, interpreting, next_pow2
+from ._common import check_cache_rows, check_kv_scales, interpreting, next_pow2
 from .decode_attention import (
     HEAD_DIM,
     LOG2E,
@@ -72,6 +76,7 @@ def _batched_split_kernel(
     vs_ptr,
     stride_sb,
     stride_sh,
+    rows_ptr,
     HQ: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -81,10 +86,14 @@ def _batched_split_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    ROW_MAP: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
+    cache_row = row  # ROW_MAP: the query's cache row, read from the map
+    if ROW_MAP:
+        cache_row = tl.load(rows_ptr + row).to(tl.int64)
     start, end, _ = _split_range(len_ptr + row, LEN_OFFSET, WINDOW, split, NUM_SPLITS, BLOCK_S)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
@@ -98,9 +107,9 @@ def _batched_split_kernel(
         return
     q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=g_mask[:, None], other=0)
-    k_base = k_ptr + row * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + row * stride_vb + kv_head.to(tl.int64) * stride_vh
-    scales = row * stride_sb + kv_head.to(tl.int64) * stride_sh  # FP8 cache: [B, Hkv, S]
+    k_base = k_ptr + cache_row * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + cache_row * stride_vb + kv_head.to(tl.int64) * stride_vh
+    scales = cache_row * stride_sb + kv_head.to(tl.int64) * stride_sh  # FP8: [B, Hkv, S]
     m_i, l_i, acc = attend_range(
         q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
         ks_ptr + scales, vs_ptr + scales,
@@ -156,15 +165,21 @@ def batched_decode_attention(
     block_s: int = 64,
     num_stages: int = 3,
     out: torch.Tensor | None = None,
+    cache_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row r's query against its first `lengths[r] + length_offset` cache positions."""
+    """Query r against the first `lengths[r] + length_offset` positions of its cache row
+    (`cache_rows[r]`, else row r)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
             "batched_decode_attention: q must be [B, Hq, D] and the caches [B, Hkv, S_max, D], "
             f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     b = q.shape[0]
-    if k_cache.shape[0] != b or v_cache.shape[0] != b:
+    if cache_rows is not None:
+        check_cache_rows("batched_decode_attention", cache_rows, b, q.device)
+        if v_cache.shape[0] != k_cache.shape[0]:
+            raise ValueError("batched_decode_attention: k_cache and v_cache differ in rows")
+    elif k_cache.shape[0] != b or v_cache.shape[0] != b:
         rows = k_cache.shape[0]
         raise ValueError(f"batched_decode_attention: {b} query rows but caches of {rows}")
     if lengths.shape != (b,) or lengths.dtype not in (torch.int32, torch.int64):
@@ -196,11 +211,12 @@ def batched_decode_attention(
         out.stride(0), out.stride(1),
         k_scale if scaled else k_cache, v_scale if scaled else v_cache,  # unread unless scaled
         k_scale.stride(0) if scaled else 0, k_scale.stride(1) if scaled else 0,
+        cache_rows if cache_rows is not None else lengths,  # unread without a map
         HQ=hq, G=hq // hkv, G_PAD=MAX_GROUP, D=HEAD_DIM, BLOCK_S=block_s,
         NUM_SPLITS=num_splits,
         PRECISION="ieee" if fp32 or interpreting() else "tf32",
         DOT_F32=interpreting() and not fp32,
-        KV_SCALED=scaled,
+        KV_SCALED=scaled, ROW_MAP=cache_rows is not None,
         num_warps=4, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -222,10 +238,17 @@ def batched_decode_attention_ref(
     window: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    cache_rows: list[int] | None = None,
 ) -> torch.Tensor:
     """Torch reference, row by row (fp32 softmax over each row's valid, windowed slice); an
-    FP8 cache is dequantized with its scales first."""
+    FP8 cache is dequantized with its scales first; `cache_rows` maps queries to rows."""
     from .decode_attention import decode_attention_ref
+
+    if cache_rows is not None:
+        index = torch.tensor(cache_rows, device=k_cache.device)
+        k_cache, v_cache = k_cache[index], v_cache[index]
+        if k_scale is not None and v_scale is not None:
+            k_scale, v_scale = k_scale[index], v_scale[index]
 
     if k_scale is not None and v_scale is not None:
         k_cache = (k_cache.float() * k_scale[..., None]).to(q.dtype)

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ._common import (
     FLOAT_DTYPES,
+    check_cache_rows,
     check_device,
     check_dtype,
     check_kv_scales,
@@ -254,21 +255,24 @@ def _rope_cache_kernel(
     HQ, HKV, S_MAX, TABLE_LEN,
     stride_q, stride_k, stride_v, stride_qo, stride_kch, stride_kcs, stride_vch, stride_vcs,
     stride_qr, stride_kr, stride_vr, stride_qor, stride_kcr, stride_vcr, stride_pos,
-    ks_ptr, vs_ptr, stride_sr, stride_sh,
+    ks_ptr, vs_ptr, stride_sr, stride_sh, rows_ptr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
-    ROTARY: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
+    ROTARY: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, ROW_MAP: tl.constexpr,
 ):  # fmt: skip
     # Three programs per row, one per tensor (q; k into the cache; v into the cache), each
     # with one dependent chain (position -> cos/sin -> rotate -> store). Measured neutral
     # against one program doing the three in turn (3.51 against 3.57 us per call inside
     # exp74-full on the H200): under PDL the call's time is mostly its wait on the GEMV
     # before it. One stream's step is one row (row strides unused); a batched step's rows
-    # each read their own position.
+    # each read their own position (ROW_MAP: and write the cache row the map gives them).
     part = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    cache_row = row
+    if ROW_MAP:
+        cache_row = tl.load(rows_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row * stride_pos).to(tl.int64)
     cos = tl.zeros([HALF], dtype=tl.float32)
     sin = tl.zeros([HALF], dtype=tl.float32)
@@ -277,17 +281,19 @@ def _rope_cache_kernel(
         cos = tl.load(cos_ptr + pos * HALF + i, mask=in_table, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + i, mask=in_table, other=0.0).to(tl.float32)
     in_cache = (pos >= 0) & (pos < S_MAX)  # never write outside the cache
-    scales = row * stride_sr + pos  # KV_FP8: this row's scales at pos, one per kv head
+    scales = cache_row * stride_sr + pos  # KV_FP8: the row's scales at pos, one per kv head
     if part == 0:
         _rotate_heads(q_ptr + row * stride_qr, q_out_ptr + row * stride_qor, stride_q,
                       stride_qo, cos, sin, HQ, True, ks_ptr, 0, HQ_PAD, HALF, ROTARY,
                       False)  # fmt: skip
     elif part == 1:
-        _rotate_heads(k_ptr + row * stride_kr, kc_ptr + row * stride_kcr + pos * stride_kcs,
+        _rotate_heads(k_ptr + row * stride_kr,
+                      kc_ptr + cache_row * stride_kcr + pos * stride_kcs,
                       stride_k, stride_kch, cos, sin, HKV, in_cache, ks_ptr + scales,
                       stride_sh, HKV_PAD, HALF, ROTARY, KV_FP8)  # fmt: skip
     else:
-        _rotate_heads(v_ptr + row * stride_vr, vc_ptr + row * stride_vcr + pos * stride_vcs,
+        _rotate_heads(v_ptr + row * stride_vr,
+                      vc_ptr + cache_row * stride_vcr + pos * stride_vcs,
                       stride_v, stride_vch, cos, sin, HKV, in_cache, vs_ptr + scales,
                       stride_sh, HKV_PAD, HALF, False, KV_FP8)  # fmt: skip
 
@@ -410,9 +416,9 @@ def rope_and_cache_write(
         q2.stride(0), k2.stride(0), v2.stride(0), qo.stride(0),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         0, 0, 0, 0, 0, 0, 0,  # one row
-        kc, vc, 0, 0,  # no scales: a cache in the model's dtype
+        kc, vc, 0, 0, pos,  # no scales (a cache in the model's dtype), no row map
         HQ_PAD=next_pow2(max(2, q2.shape[0])), HKV_PAD=next_pow2(max(2, k2.shape[0])),
-        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl, KV_FP8=False,
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl, KV_FP8=False, ROW_MAP=False,
         **launch_options(use_pdl, 4),
     )  # fmt: skip
     return q_out
@@ -432,20 +438,29 @@ def rope_and_cache_write_rows(
     q_out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    cache_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rope_and_cache_write` for B rows at once: row r's q [B, Hq, D] and k [B, Hkv, D]
     rotated at its own device position pos[r], its k and v written into cache row r
     ([B, Hkv, S_max, D]) at pos[r]. One launch of 3 x B programs. With e4m3 caches and
     their float32 scales [B, Hkv, S_max] (batched_decode's `kv: fp8`), each key and value
-    vector is written as quantize_rows writes it, its scale beside it."""
+    vector is written as quantize_rows writes it, its scale beside it. `cache_rows` [B]
+    (on the device): row r writes cache row cache_rows[r] of caches of any number of rows
+    (a prompt's tokens, each at its own position). A position outside [0, S_max) writes
+    nothing (its q is still rotated, with cos 1 and sin 0 outside the table)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
             "rope_and_cache_write_rows: q, k, v must be [B, H, D] and the caches "
             f"[B, Hkv, S_max, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(k_cache.shape)}"
         )
     b, d = q.shape[0], k_cache.shape[-1]
-    if k.shape[0] != b or v.shape != k.shape or k_cache.shape[0] != b:
+    cache_b = b if cache_rows is None else k_cache.shape[0]
+    if k.shape[0] != b or v.shape != k.shape or k_cache.shape[0] != cache_b:
         raise ValueError(f"rope_and_cache_write_rows: q, k, v and the caches need {b} rows")
+    if v_cache.shape[0] != k_cache.shape[0]:
+        raise ValueError("rope_and_cache_write_rows: k_cache and v_cache differ in rows")
+    if cache_rows is not None:
+        check_cache_rows("rope_and_cache_write_rows", cache_rows, b, q.device)
     if pos.shape != (b,) or pos.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rope_and_cache_write_rows: pos must be [{b}] int32 or int64")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -472,8 +487,10 @@ def rope_and_cache_write_rows(
         kc.stride(0), vc.stride(0), pos.stride(0),
         k_scale if fp8 else kc, v_scale if fp8 else vc,  # unread unless fp8
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        cache_rows if cache_rows is not None else pos,  # unread without a map
         HQ_PAD=next_pow2(max(2, q.shape[1])), HKV_PAD=next_pow2(max(2, k.shape[1])),
         HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False, KV_FP8=fp8,
+        ROW_MAP=cache_rows is not None,
         **launch_options(False, 4),
     )  # fmt: skip
     return q_out
