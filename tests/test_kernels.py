@@ -1076,8 +1076,8 @@ def test_rope_and_cache_write_rows_writes_the_cache_row_its_map_gives(fp8: bool)
         for got, want in ((kc[row, :, p], one_k[0, :, p]), (vc[row, :, p], one_v[0, :, p])):
             if fp8:  # the kernel's e4m3 rounding against torch's: within a step
                 assert_fp8_agree(got, want)
-            else:
-                assert torch.equal(got, want)
+            else:  # the rotation's fp32 sums in another order on a GPU
+                assert rel_err(got, want) < tol(torch.float32)
         for name in scales:
             assert rel_err(scales[name][row, :, p], one_s[name][0, :, p]) < 1e-6
         written[row, p] = True
