@@ -136,6 +136,13 @@ def main() -> None:
         "each kernel-glue variant's step with them against without",
     )
     ap.add_argument(
+        "--unsplit",
+        action="store_true",
+        help="also each kernel-glue variant with its attention never split (variants "
+        "suffixed _unsplit; the others split rows' positions at small row counts: "
+        "BatchedDecoder.splits)",
+    )
+    ap.add_argument(
         "--fp8-projections",
         action="store_true",
         help="also variant triton_kv8_fp8: fp8_projections (APPROXIMATE, Hopper) on top",
@@ -170,8 +177,10 @@ def main() -> None:
         )
         for kv in ("model", "fp8")
     }
-    variants = {
-        glue + ("_kv8" if kv == "fp8" else ""): (glue, decs[kv]) for kv in decs for glue in GLUE
+    variants = {  # name -> (glue, decoder, attention splits: "auto" or 1)
+        glue + ("_kv8" if kv == "fp8" else ""): (glue, decs[kv], "auto")
+        for kv in decs
+        for glue in GLUE
     }
     if args.fp8_projections:  # FP8 cache and FP8 projections (Hopper), the kernel glue
         from orchestrate.techniques.rumik.fp8_projections import Fp8Packed
@@ -180,7 +189,11 @@ def main() -> None:
             model, rows, args.context + 16, SamplingConfig(), "triton",
             projections=Fp8Packed(model), kv="fp8", **chunked,
         )  # fmt: skip
-        variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"])
+        variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"], "auto")
+    if args.unsplit:  # the kernel-glue variants again with the attention never split
+        for name, (glue, d, _) in list(variants.items()):
+            if glue == "triton":
+                variants[name + "_unsplit"] = (glue, d, 1)
     dec = decs["model"]
     cache_per_row = dec.k[:, 0, :, : args.context].numel() * dec.k.element_size() * 2
     # A step reads its rows of the embedding table, not the table (1.14 GB at the real
@@ -211,6 +224,9 @@ def main() -> None:
             "triton_kv8_fp8": "triton_kv8 with fp8_projections: e4m3 weights, activation "
             "rows quantized by the norm's and SwiGLU's kernels and (attention's output) "
             "kernels/fp8_rows.py, torch._scaled_mm (APPROXIMATE)",
+            "*_unsplit": "(--unsplit) the variant with its attention never split; the others "
+            "split each row's positions across programs at small row counts "
+            "(`attention_splits` per level: BatchedDecoder.splits, exact up to rounding order)",
         },
         "ceilings": ceil,
         "step_weight_bytes": weights,
@@ -223,8 +239,8 @@ def main() -> None:
             fill_state(d, args.context)
         for b in levels:
             graphs, agree = {}, {}
-            for name, (glue, d) in variants.items():
-                d.glue = glue
+            for name, (glue, d, splits) in variants.items():
+                d.glue, d.attention_splits = glue, splits
                 graphs[name] = warm_and_capture(lambda b=b, d=d: d.step(b, d.capacity))[0]
                 agree[name] = (d._forward(b, d.capacity).float(), d.step(b, d.capacity))
             h0, t0 = agree["torch"]
@@ -241,7 +257,9 @@ def main() -> None:
                 ]
                 proj_s = 2 * proj_elems * b / ceil["fp8_flop_per_s"]
                 head_s = 2 * dec.head_w.numel() * b / ceil["bf16_flop_per_s"]
-                floors["triton_kv8_fp8"] = 1e3 * max(memf_s, proj_s + head_s)
+                for name in med:  # and its _unsplit twin
+                    if name.startswith("triton_kv8_fp8"):
+                        floors[name] = 1e3 * max(memf_s, proj_s + head_s)
             level = {
                 "rows": b,
                 "median_ms_per_step": med,
@@ -258,6 +276,10 @@ def main() -> None:
                     for name, (h, t) in agree.items()
                 },
                 "replays": args.replays,
+                "attention_splits": {
+                    name: d.splits(b) if splits == "auto" else {}
+                    for name, (_, d, splits) in variants.items()
+                },
             }
             if b in profiled:
                 level["profile"] = profile(graphs, 5)
@@ -284,10 +306,10 @@ def time_chunk(variants: dict, b: int, c: int, replays: int) -> dict:
     """Each kernel-glue variant's step over b rows carrying c prompt tokens (one prompt
     into the scratch row at positions [0, c)) against its plain step, interleaved."""
     graphs = {}
-    for name, (glue, d) in variants.items():
+    for name, (glue, d, splits) in variants.items():
         if glue != "triton":
             continue
-        d.glue = glue
+        d.glue, d.attention_splits = glue, splits
         gen = torch.Generator().manual_seed(c)
         ids = torch.randint(1, d.embed.shape[0], (c,), generator=gen).tolist()
         d.stage_chunk([d.scratch] * c, list(range(c)), ids, c)
@@ -310,8 +332,8 @@ def time_prefill(variants: dict, rows: int, tokens: int, replays: int) -> dict:
     """Each variant's prompt write of `rows` prompts of `tokens` tokens into rows [0, rows)
     (what an admission replays), graphs interleaved, then profiled."""
     graphs = {}
-    for name, (glue, d) in variants.items():
-        d.glue = glue
+    for name, (glue, d, splits) in variants.items():
+        d.glue, d.attention_splits = glue, splits
         gen = torch.Generator(device=d.ids.device).manual_seed(tokens)
         ids = torch.randint(1, d.embed.shape[0], (rows, tokens), generator=gen, device=gen.device)
         index = torch.arange(rows, device=ids.device)

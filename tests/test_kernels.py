@@ -739,6 +739,39 @@ def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
         BatchedDecoder(model, 3, 256, greedy, "triton", glue="fused")
 
 
+def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() -> None:
+    """BatchedDecoder's attention_splits 'auto' (the default): at 3 rows x 2 kv heads each
+    row's positions are split 16 ways (32-position blocks) and merged; against 1 (never
+    split), float32, greedy, kernel glue and torch glue: the hidden states within rounding
+    and four steps' tokens equal. At 64 rows (128 programs) nothing is split."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    long = " ".join(["A longer sentence, to reach well past one block."] * 3)
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long, "Ok."]]
+    greedy = SamplingConfig(top_k=1)
+    for glue in ("torch", "triton"):
+        runs = []
+        for splits in ("auto", 1):
+            dec = BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
+            dec.attention_splits = splits
+            with torch.inference_mode():
+                dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
+                hidden = dec._forward(3, 256).clone()  # glue triton: _forward_fused
+                runs.append((hidden, [dec.step(3, 256).tolist() for _ in range(4)]))
+        assert dec.splits(3) == {}  # attention_splits 1: never
+        dec.attention_splits = "auto"
+        assert dec.splits(3) == {"num_splits": 16, "block_s": 32} and dec.splits(64) == {}
+        (h_split, t_split), (h_one, t_one) = runs
+        assert t_split == t_one, glue
+        assert 0 < rel_err(h_split, h_one) < 1e-5, glue  # another order of the same sums
+
+
 def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:
     """chunk_tokens (glue 'triton', float32): two prompts go into rows 1 and 2 as 16-token
     chunks riding along steps of row 0, which decodes meanwhile (rows 1 and 2 held inside

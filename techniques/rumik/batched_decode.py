@@ -77,6 +77,9 @@ HEADS = ("codebook", "audio")
 # The step's work between its projections and attention: eager torch ops, or the Triton
 # kernels of kernels/rope_norm.py and kernels/swiglu.py (CUDA, or TRITON_INTERPRET=1).
 GLUE = ("torch", "triton")
+# Attention programs a launch should have before it stops splitting rows (about an H100's
+# or H200's 132 SMs): see BatchedDecoder.splits.
+SPLIT_PROGRAMS = 128
 
 
 class BatchedDecoder:
@@ -165,6 +168,11 @@ class BatchedDecoder:
         self.active = torch.zeros(rows, **long)  # 1 while the row generates
         self.allow_end = torch.zeros(rows, dtype=torch.bool, device=dev)  # length policy 'model'
         self.out = torch.zeros(rows, **long)  # the token id each row sampled this step
+        # The attention kernel runs rows x kv heads programs: a few rows leave most SMs
+        # idle, reading long ranges one block after another. "auto" then splits each row's
+        # positions across programs and merges them (the same softmax, summed in another
+        # order: `splits`); 1 never splits.
+        self.attention_splits: int | str = "auto"
         # Chunked prefill: the prompt tokens a step carries, each (cache row, position, id);
         # padding tokens write position 0 of `scratch`.
         self.chunk_tokens = chunk_tokens
@@ -324,6 +332,14 @@ class BatchedDecoder:
         ):
             buf[:c].copy_(torch.tensor(list(values) + [fill] * pad))
 
+    def splits(self, m: int) -> dict[str, int]:
+        """The attention kernel's split options for a launch of m query rows: with
+        `attention_splits` "auto", enough splits for about 128 programs (at most 16, over
+        32-position blocks) while m x kv heads is below that; none otherwise."""
+        if self.attention_splits != "auto" or m * self.hkv >= SPLIT_PROGRAMS:
+            return {}
+        return {"num_splits": min(16, -(-SPLIT_PROGRAMS // (m * self.hkv))), "block_s": 32}
+
     # ------------------------------------------------------------------ one step
 
     def step(self, b: int, s: int, c: int = 0) -> torch.Tensor:
@@ -390,7 +406,7 @@ class BatchedDecoder:
                     scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
                 out = self.attention(
                     q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1,
-                    **scales,
+                    **scales, **self.splits(b),
                 )  # fmt: skip
                 return out[:, :, None]
             # The g query heads sharing a kv head become g query rows against it: no GQA
@@ -447,8 +463,9 @@ class BatchedDecoder:
             )  # fmt: skip
             span = self.window if self.sliding[i] else 0
             attn = self.attention(
-                q, k_cache, v_cache, pos, window=span, length_offset=1, **scales, **rows
-            )
+                q, k_cache, v_cache, pos, window=span, length_offset=1, **scales, **rows,
+                **self.splits(m),
+            )  # fmt: skip
             attn = attn.view(m, self.hq * self.d)
             if quantized:
                 aq, a_s = swiglu.swiglu_rows_fp8(gate, up)

@@ -119,7 +119,9 @@ class BatchedDecode(Technique):
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
     # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
     # eager ops); 7: `codec_kv` and `codec_attention` (their defaults keep the gathered
-    # window and SDPA); 8: `chunk_tokens` (its default keeps prompts written apart)
+    # window and SDPA); 8: `chunk_tokens` (its default keeps prompts written apart), and
+    # the attention kernel splits each row's positions across programs when a bucket has
+    # few rows (BatchedDecoder.splits: the same softmax summed in another order)
     version = 8
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
