@@ -77,8 +77,12 @@ HEADS = ("codebook", "audio")
 # The step's work between its projections and attention: eager torch ops, or the Triton
 # kernels of kernels/rope_norm.py and kernels/swiglu.py (CUDA, or TRITON_INTERPRET=1).
 GLUE = ("torch", "triton")
-# Attention programs a launch should have before it stops splitting rows (about an H100's
-# or H200's 132 SMs): see BatchedDecoder.splits.
+# BatchedDecoder.splits: launches of fewer attention programs than SPLIT_BELOW split their
+# rows' positions until there are about SPLIT_PROGRAMS (an H100 or H200 has 132 SMs). On
+# an H100, one row's all-approximate step went from 2.414 to 2.212 ms and four rows' from
+# 3.580 to 3.464; at 64 programs (16 rows) splitting was 1% slower (3.678 against 3.638:
+# benchmarks/h100/serving/batched-step-splits.json), so those are left whole.
+SPLIT_BELOW = 64
 SPLIT_PROGRAMS = 128
 
 
@@ -334,9 +338,10 @@ class BatchedDecoder:
 
     def splits(self, m: int) -> dict[str, int]:
         """The attention kernel's split options for a launch of m query rows: with
-        `attention_splits` "auto", enough splits for about 128 programs (at most 16, over
-        32-position blocks) while m x kv heads is below that; none otherwise."""
-        if self.attention_splits != "auto" or m * self.hkv >= SPLIT_PROGRAMS:
+        `attention_splits` "auto", enough splits for about SPLIT_PROGRAMS programs (at
+        most 16, over 32-position blocks) while m x kv heads is below SPLIT_BELOW; none
+        otherwise."""
+        if self.attention_splits != "auto" or m * self.hkv >= SPLIT_BELOW:
             return {}
         return {"num_splits": min(16, -(-SPLIT_PROGRAMS // (m * self.hkv))), "block_s": 32}
 
