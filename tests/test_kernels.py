@@ -863,6 +863,48 @@ def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -
     assert not chunks.pending and not chunks.row_prefilling.any()
 
 
+def test_chunks_take_prompts_oldest_first_and_split_them_at_the_budget() -> None:
+    """The server's chunk staging, no step run: prompts of 1, 40 and 7 tokens (writing 0, 39
+    and 6) into rows 0, 1, 2 with chunk_tokens 32: the first chunk completes the one-token
+    prompt (nothing to write) and carries 32 of the second's tokens, padded to no bucket
+    (32 is one); the next carries its last 7 and the third's 6, padded to 32 with tokens
+    that write the scratch row; held rows sit at position -1; a full queue refuses more."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.techniques.rumik.batched_server import (
+        BatchedServer,
+        Prefilling,
+        ServeRequest,
+    )
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    server = BatchedServer(model, 4, 128, SamplingConfig(top_k=1), graphs=False, codec=False,
+                           attention="triton", glue="triton", chunk_tokens=32,
+                           max_prefill_tokens=50)  # fmt: skip
+    prompts = [[7], list(range(100, 140)), list(range(200, 207))]
+    reqs = [ServeRequest(k, p, 1, seed=k) for k, p in enumerate(prompts)]
+    assert server.admit(reqs) == 3 and server.row_prefilling[:3].all()
+    assert server.dec.pos[:3].tolist() == [-1, -1, -1]
+    dec = server.dec
+    c, done = server._stage_chunk()
+    assert (c, [p.row for p in done]) == (32, [0])
+    assert dec.chunk_rows[:32].tolist() == [1] * 32
+    assert dec.chunk_pos[:32].tolist() == list(range(32))
+    assert dec.chunk_ids[:32].tolist() == prompts[1][:32]
+    c, done = server._stage_chunk()
+    assert (c, [p.row for p in done]) == (32, [1, 2])
+    assert dec.chunk_rows[:32].tolist() == [1] * 7 + [2] * 6 + [dec.scratch] * 19
+    assert dec.chunk_pos[:13].tolist() == list(range(32, 39)) + list(range(6))
+    assert dec.chunk_ids[:13].tolist() == prompts[1][32:39] + prompts[2][:6]
+    assert not server.pending and server.stats.chunk_tokens == 45
+    assert server.stats.chunk_padding == 19
+    # 45 tokens queued (a row's prompt not yet written): a request of 7 more would pass 50
+    server.pending.append(Prefilling(3, ServeRequest(8, list(range(46)), 1, seed=8)))
+    assert server.admit([ServeRequest(9, list(range(8)), 1, seed=9)]) == 0
+
+
 def assert_fp8_agree(got: torch.Tensor, want: torch.Tensor, steps: int = 0) -> None:
     """e4m3 values written by a kernel against torch's: the same bytes but for a rounding
     step in under 1% of them on a GPU (the fp32 sums before the cast run in another order),

@@ -82,6 +82,20 @@ OVERLAP_PHASES = ("prefill", "step", "codec_launch", "codec_wait", "host")
 
 
 @dataclass
+class Prefilling:
+    """A row whose prompt goes in by chunks (chunked prefill): its request and how many of
+    the prompt's tokens (all but the last) are written."""
+
+    row: int
+    req: ServeRequest
+    written: int = 0
+
+    @property
+    def todo(self) -> int:
+        return len(self.req.prompt_ids) - 1 - self.written
+
+
+@dataclass
 class ServerStats:
     steps: int = 0
     step_rows: int = 0  # sum of bucket sizes stepped
@@ -131,11 +145,11 @@ class BatchedServer:
         )  # fmt: skip
         # Chunked prefill: prompts ride along steps, at most chunk_tokens tokens a step,
         # padded to a bucket (a graph per (batch, context, chunk) bucket); `pending` holds
-        # the admitted rows whose prompts are not yet all written: [row, tokens, next].
+        # the admitted rows whose prompts are not yet all written, oldest first.
         self.chunk_buckets = [n for n in CHUNK_BUCKETS if n < chunk_tokens] + (
             [chunk_tokens] if chunk_tokens else []
         )
-        self.pending: deque[list] = deque()
+        self.pending: deque[Prefilling] = deque()
         self.per_frame = model.vocab.num_quantizers
         self.graphs_on = graphs and model.device.type == "cuda"
         self.chunk_frames = chunk_frames
@@ -296,7 +310,7 @@ class BatchedServer:
             return 0
         free = np.flatnonzero(self.row_key < 0)  # lowest rows first: keeps buckets small
         take: list[ServeRequest] = []
-        tokens = sum(len(p[1]) - p[2] for p in self.pending)  # chunked: still to write
+        tokens = sum(p.todo for p in self.pending)  # chunked: still to write
         for req in reqs[: len(free)]:
             self.check(req)
             tokens += len(req.prompt_ids)
@@ -311,7 +325,7 @@ class BatchedServer:
         if self.dec.chunk_tokens:  # written by the next steps, armed after the last chunk
             self.dec.hold(rows)
             for row, req in zip(rows, take, strict=True):
-                self.pending.append([row, req.prompt_ids, 0, req])
+                self.pending.append(Prefilling(row, req))
             self.row_prefilling[rows] = True
         else:
             self.prompts.write(rows, prompts, self.stats.prefill_writes)
@@ -341,26 +355,26 @@ class BatchedServer:
         ]
         return b, s
 
-    def _stage_chunk(self) -> tuple[int, list[int]]:
+    def _stage_chunk(self) -> tuple[int, list[Prefilling]]:
         """Chunked prefill: the next prompt tokens (oldest admission first, at most
         chunk_tokens) staged for the coming step; returns its chunk bucket (0: none) and
-        the rows whose prompts that chunk completes."""
+        the rows whose prompts that chunk completes, taken off the queue."""
         rows: list[int] = []
         positions: list[int] = []
         ids: list[int] = []
-        completes: list[int] = []
+        completes: list[Prefilling] = []
         room = self.dec.chunk_tokens
-        for entry in self.pending:
-            row, prompt, start = entry[0], entry[1], entry[2]
-            end = min(len(prompt) - 1, start + room - len(ids))
-            rows += [row] * (end - start)
+        while self.pending and len(ids) < room:
+            head = self.pending[0]
+            start = head.written
+            end = start + min(head.todo, room - len(ids))
+            rows += [head.row] * (end - start)
             positions += range(start, end)
-            ids += prompt[start:end]
-            entry[2] = end
-            if end == len(prompt) - 1:
-                completes.append(row)
-            if len(ids) == room:
+            ids += head.req.prompt_ids[start:end]
+            head.written = end
+            if head.todo:  # the chunk is full; the rest goes in the next
                 break
+            completes.append(self.pending.popleft())
         if not ids:  # one-token prompts: nothing to write
             return 0, completes
         c = self.chunk_buckets[bisect.bisect_left(self.chunk_buckets, len(ids))]
@@ -370,11 +384,10 @@ class BatchedServer:
         self.stats.chunk_padding += c - len(ids)
         return c, completes
 
-    def _arm_prefilled(self, rows: list[int]) -> None:
+    def _arm_prefilled(self, done: list[Prefilling]) -> None:
         """Chunked prefill: arm the rows whose prompts are written (their next step reads
         the last prompt token)."""
-        done = [self.pending.popleft() for _ in rows]  # the queue's head, in order
-        reqs = [entry[3] for entry in done]
+        rows, reqs = [p.row for p in done], [p.req for p in done]
         self.dec.arm(rows, [r.prompt_ids for r in reqs], [r.seed for r in reqs],
                      [r.frames is None for r in reqs])  # fmt: skip
         self.row_prefilling[rows] = False
@@ -410,7 +423,7 @@ class BatchedServer:
         self._synced("host", t0)
         return events
 
-    def _decode_step(self) -> tuple[np.ndarray, list[int]]:
+    def _decode_step(self) -> tuple[np.ndarray, list[Prefilling]]:
         """One step (carrying the next prompt chunk, if any): its sampled tokens, and the
         rows whose prompts its chunk completed."""
         b, s = self.bucket()
