@@ -161,6 +161,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "step (needs --glue triton alone)",
     )
     ap.add_argument(
+        "--pipeline",
+        default="off",
+        help="off, on or off,on (each a path; on: suffixed _pipe): launch each step as soon as "
+        "the last one's tokens are read back, the host's work beside it (needs --codec "
+        "overlap alone, or --no-codec)",
+    )
+    ap.add_argument(
         "--admit-every",
         type=int,
         default=1,
@@ -308,6 +315,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--chunk-tokens {args.chunk_tokens!r}: each 0 to 1024")
     if any(chunks) and glues != ["triton"]:
         raise LoadError("--chunk-tokens above 0 needs --glue triton alone")
+    pipes = args.pipeline.split(",")
+    if any(p not in ("off", "on") for p in pipes):
+        raise LoadError(f"--pipeline {args.pipeline!r}: off, on or off,on")
+    if "on" in pipes and not args.no_codec and args.codec != "overlap":
+        raise LoadError("--pipeline on needs --codec overlap alone (or --no-codec)")
     if args.batch1_vs:
         if 1 not in levels:
             raise LoadError("--batch1-vs compares at 1 stream: --levels must include 1")
@@ -515,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                 "triton": "one kernel each: LayerNorm, every row's rotary + cache write at its "
                 "own position, SwiGLU (batched_decode glue: triton; exact up to rounding order)",
             },
+            "pipeline": "paths suffixed _pipe: each step launched as soon as the last one's "
+            "tokens are read back; the phases are then host time with the GPU running the "
+            "next step meanwhile, and `step` is the wait for a step's tokens",
             "chunk_tokens": {
                 "0": "each admission's prompts written by a pass of their own (every weight "
                 "read again), padded to a (rows, tokens) bucket's graph",
@@ -549,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p, kv, g, n)
+        (a, c, p, kv, g, n, pipe == "on")
+        for pipe in args.pipeline.split(",")
         for n in map(int, args.chunk_tokens.split(","))
         for g in args.glue.split(",")
         for kv in args.kv.split(",")
@@ -557,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj, kv, glue, chunk) in enumerate(runs):  # one at a time
-        path = path_name(attention, codec, proj, kv, glue, chunk)
+    for which, (attention, codec, proj, kv, glue, chunk, pipe) in enumerate(runs):  # in turn
+        path = path_name(attention, codec, proj, kv, glue, chunk) + ("_pipe" if pipe else "")
         fp8 = Fp8Packed(model) if proj == "fp8" else None
         vs_exact = None
         if fp8 is not None or kv == "fp8":
@@ -581,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             kv=kv,
             glue=glue,
             chunk_tokens=chunk,
+            pipeline=pipe,
         )
         del fp8  # the server holds it; freed with it
         about = {
@@ -590,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv": kv,
             "glue": glue,
             "chunk_tokens": chunk,
+            "pipeline": pipe,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact

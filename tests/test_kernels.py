@@ -828,9 +828,9 @@ def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:
 
 def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -> None:
     """BatchedServer with chunk_tokens 16 (kernel glue, float32, greedy, two rows, three
-    requests: a row refilled, prompts split across steps while another row decodes)
-    against the same server writing prompts apart: every request's tokens equal; steps
-    carried the prompts (counted), and nothing was left pending or held."""
+    requests: a row refilled, prompts split across steps while another row decodes), also
+    pipelined, against the same server writing prompts apart: every request's tokens
+    equal; steps carried the prompts (counted), and nothing was left pending or held."""
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
@@ -845,18 +845,19 @@ def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -
         for k, t in enumerate(texts)
     ]
     runs = []
-    for chunk in (0, 16):
+    for chunk, pipeline in ((0, False), (16, False), (16, True)):
         server = BatchedServer(model, 2, 128, SamplingConfig(top_k=1), graphs=False,
                                codec=False, attention="triton", glue="triton",
-                               chunk_tokens=chunk)  # fmt: skip
+                               chunk_tokens=chunk, pipeline=pipeline)  # fmt: skip
         waiting = list(reqs)
         with torch.inference_mode():
             while waiting or server.live():
                 waiting = waiting[server.admit(waiting) :]
                 server.step()
         runs.append(server)
-    writes, chunks = runs
+    writes, chunks, pipelined = runs
     assert sorted(chunks.tokens) == [0, 1, 2] and chunks.tokens == writes.tokens
+    assert pipelined.tokens == writes.tokens and pipelined.inflight is None
     prompt_tokens = sum(len(r.prompt_ids) - 1 for r in reqs)
     assert chunks.stats.chunk_tokens == prompt_tokens and chunks.stats.prefill_writes["chunk"] > 3
     assert "chunk" not in writes.stats.prefill_writes

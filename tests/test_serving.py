@@ -215,6 +215,37 @@ def test_paced_admissions_gather_arrivals_and_keep_every_rows_tokens(model):
         BatchedServer(model, 2, 256, TOPK, graphs=False, codec=False, admit_every=0)
 
 
+def test_a_pipelined_server_serves_the_tokens_and_audio_it_serves_unpipelined(model):
+    """pipeline=True launches each step before the last one's tokens are handled (on the
+    CPU the same order of work, run at once): seven requests over three rows, rows refilled
+    and streams ending on their budgets mid-run, codec overlapped or left out: every request
+    gets the tokens, the frames and (codec) the audio chunks of the unpipelined server,
+    within a step per refill (none launched for rows about to end: budgets are known), and
+    nothing is left in flight."""
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k % 4]), 2 + k % 3, seed=k) for k in range(7)]
+    for codec in (True, False):
+        runs = []
+        for pipeline in (False, True):
+            server = BatchedServer(model, 3, 256, TOPK, graphs=False, codec=codec,
+                                   codec_overlap=codec, keep_audio=True,
+                                   pipeline=pipeline)  # fmt: skip
+            records, _ = drive(server, reqs, [0.0] * 7, [r.frames for r in reqs], 60)
+            assert all(r.done for r in records) and server.inflight is None
+            frames = {r.key: len(r.frame_ready_s) for r in records}
+            runs.append((server.tokens, frames, server.audio, server.stats.steps))
+        (tokens, frames, audio, steps), (p_tokens, p_frames, p_audio, p_steps) = runs
+        assert sorted(tokens) == list(range(7)) and p_tokens == tokens and p_frames == frames
+        assert all(len(tokens[k]) == 8 * reqs[k].frames for k in tokens)
+        assert audio.keys() == p_audio.keys()
+        for key, chunks in audio.items():
+            assert all(np.array_equal(a, b) for a, b in zip(chunks, p_audio[key], strict=True))
+        # a refilled row starts a step later (the step in flight was launched before it
+        # was armed); budgets are known, so no step is launched for rows about to end
+        assert steps <= p_steps <= steps + len(reqs) - 3
+    with pytest.raises(ServingError, match="pipeline needs codec_overlap"):
+        BatchedServer(model, 2, 256, TOPK, graphs=False, codec=True, pipeline=True)
+
+
 def test_seeds_change_the_draw(model):
     ids = prompt(model, TEXTS[0])
     a = serve(model, [ServeRequest(0, ids, 4, seed=1)], 1, TOPK).tokens[0]
@@ -523,17 +554,19 @@ def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
 
 @pytest.mark.gpu
 def test_chunked_prefill_graphed_serves_the_tokens_prompt_writes_serve_on_gpu():
-    """chunk_tokens 16 and 64 with graphs (one per batch and chunk bucket, captured in
-    warm_up), kernel glue, float32, greedy, two rows refilled by four requests: each
-    request's tokens are those of the same server writing its prompts apart."""
+    """chunk_tokens 16 and 64 (and 64 pipelined) with graphs (one per batch and chunk
+    bucket, captured in warm_up), kernel glue, float32, greedy, two rows refilled by four
+    requests: each request's tokens are those of the same server writing its prompts
+    apart."""
     gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
     reqs = [
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
     runs = []
-    for chunk in (0, 16, 64):
+    for chunk, pipeline in ((0, False), (16, False), (64, False), (64, True)):
         server = BatchedServer(gpu_model, 2, 256, GREEDY, graphs=True, codec=False,
-                               attention="triton", glue="triton", chunk_tokens=chunk)  # fmt: skip
+                               attention="triton", glue="triton", chunk_tokens=chunk,
+                               pipeline=pipeline)  # fmt: skip
         captured = server.warm_up()
         if chunk:
             assert captured == len(server.batch_buckets) * (1 + len(server.chunk_buckets))
@@ -544,7 +577,7 @@ def test_chunked_prefill_graphed_serves_the_tokens_prompt_writes_serve_on_gpu():
         assert (server.stats.prefill_writes.get("chunk", 0) > 0) == (chunk > 0)
         runs.append(server.tokens)
     assert sorted(runs[0]) == [0, 1, 2, 3]
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
 def _bench():
@@ -573,6 +606,8 @@ def _bench():
         (["--codec-attention", "triton"], "--codec-attention triton needs --codec-kv ring"),
         (["--chunk-tokens", "64"], "--chunk-tokens above 0 needs --glue triton alone"),
         (["--chunk-tokens", "sixty"], "--chunk-tokens 'sixty': each 0 to 1024"),
+        (["--pipeline", "yes"], "--pipeline 'yes': off, on or off,on"),
+        (["--pipeline", "on"], "--pipeline on needs --codec overlap alone"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
@@ -859,6 +894,24 @@ def test_the_stacks_codec_window_reaches_the_servers_codec(model, codec_kv):
     engine = FAMILY.build_engine(model, build_stack(spec))
     server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
     assert server.codec.stream.kv == (codec_kv or "gather")
+
+
+def test_the_stacks_prefill_chunks_and_pipeline_reach_the_server(model):
+    """batched_decode's chunk_tokens needs glue triton and pipeline needs codec overlap
+    (refused when the stack is read); a pipelined stack's server is pipelined."""
+    from orchestrate.api.registry import StackError
+
+    def spec(**params) -> StackSpec:
+        ref = TechniqueRef(name="batched_decode", params={"rows": 2, **params})
+        return StackSpec(name="serving-options", family="rumik", techniques=[ref])
+
+    with pytest.raises(StackError, match="chunk_tokens needs glue 'triton'"):
+        build_stack(spec(chunk_tokens=64))
+    with pytest.raises(StackError, match="pipeline needs codec 'overlap'"):
+        build_stack(spec(pipeline=True))
+    engine = FAMILY.build_engine(model, build_stack(spec(pipeline=True, codec="overlap")))
+    server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
+    assert server.pipeline and server.overlap and not server.dec.chunk_tokens
 
 
 def test_the_codecs_ring_kernel_needs_the_ring_and_a_gpu(model):

@@ -306,21 +306,33 @@ class BatchedDecoder:
         self, rows: list[int], prompts: list[list[int]], seeds: list[int], allow_end: list[bool]
     ) -> None:
         """Each row's state for its new stream: its next step reads its last prompt token."""
-        dev = self.ids.device
-        r = torch.tensor(rows, device=dev)
-        self.ids[r] = torch.tensor([p[-1] for p in prompts], device=dev)
-        self.pos[r] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        r = self.to_device(rows)
+        self.ids[r] = self.to_device([p[-1] for p in prompts])
+        self.pos[r] = self.to_device([len(p) - 1 for p in prompts])
         self.count[r] = 0
-        self.seed[r] = torch.tensor([s & _M32 for s in seeds], device=dev)
-        self.allow_end[r] = torch.tensor(allow_end, device=dev)
+        self.seed[r] = self.to_device([s & _M32 for s in seeds])
+        self.allow_end[r] = self.to_device(allow_end, torch.bool)
         self.active[r] = 1
 
     def hold(self, rows: list[int]) -> None:
         """Rows whose prompts go in by chunks: inactive, at position -1 until `arm`, so their
         step queries write no key and read no position while their prompts are written."""
-        r = torch.tensor(rows, device=self.ids.device)
+        r = self.to_device(rows)
         self.active[r] = 0
         self.pos[r] = -1
+
+    def deactivate(self, rows: list[int]) -> None:
+        """Rows that stop generating: later steps advance nothing of theirs."""
+        self.active[self.to_device(rows)] = 0
+
+    def to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Host values onto the device without the host waiting for the steps launched
+        before (a pageable copy synchronizes with the stream): pinned and non-blocking on
+        CUDA (the pinned block is not reused before the copy has run)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.ids.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.ids.device, non_blocking=True)
 
     def stage_chunk(self, rows: list[int], positions: list[int], ids: list[int], c: int) -> None:
         """The prompt tokens the next `step(b, s, c)` carries: token j into cache row
@@ -334,7 +346,7 @@ class BatchedDecoder:
             (self.chunk_pos, positions, 0),
             (self.chunk_ids, ids, 0),
         ):
-            buf[:c].copy_(torch.tensor(list(values) + [fill] * pad))
+            buf[:c].copy_(self.to_device(list(values) + [fill] * pad))
 
     def splits(self, m: int) -> dict[str, int]:
         """The attention kernel's split options for a launch of m query rows: with

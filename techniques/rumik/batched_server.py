@@ -96,6 +96,19 @@ class Prefilling:
 
 
 @dataclass
+class Launched:
+    """A launched decode step, until `step` reads it back: its sampled tokens' buffer on the
+    device, each of its rows' request key and whether the row was sampling at launch, the
+    prefilling rows its chunk completed and when it was launched (`perf_counter`)."""
+
+    out: torch.Tensor
+    keys: np.ndarray
+    sampling: np.ndarray
+    prefilled: list[Prefilling]
+    t0: float
+
+
+@dataclass
 class ServerStats:
     steps: int = 0
     step_rows: int = 0  # sum of bucket sizes stepped
@@ -137,8 +150,19 @@ class BatchedServer:
         kv: str = "model",
         glue: str = "torch",
         chunk_tokens: int = 0,
+        pipeline: bool = False,
     ):
         self.model, self.sampling = model, sampling
+        # Pipelined steps: the next step is launched as soon as a step's tokens are read
+        # back, and the host handles those tokens (and the driver its events and arrivals)
+        # while it runs. A row that finished in one step draws one more token in the next,
+        # dropped; a row armed after a step first samples two steps on. A synchronous codec
+        # would wait for the step in flight, so pipelining needs the codec overlapped.
+        if pipeline and codec and not codec_overlap:
+            raise ServingError("pipeline needs codec_overlap (a synchronous codec waits for "
+                               "the step in flight)")  # fmt: skip
+        self.pipeline = pipeline
+        self.inflight: Launched | None = None
         self.dec = BatchedDecoder(
             model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv,
             glue=glue, chunk_tokens=chunk_tokens,
@@ -241,7 +265,13 @@ class BatchedServer:
             + ("; launched on a side CUDA stream behind the next step" if self.overlap else "")
             if self.codec is not None
             else "excluded",
-            "phases": "; ".join(f"{name}: {PHASES[name]}" for name in self.phases),
+            "phases": "; ".join(f"{name}: {PHASES[name]}" for name in self.phases)
+            + (
+                "; pipelined: each phase is host time while the GPU runs the next step, "
+                "step the wait for a step's tokens"
+                if self.pipeline
+                else ""
+            ),
         }
 
     def memory(self) -> dict[str, int]:
@@ -288,6 +318,9 @@ class BatchedServer:
 
     def clear(self) -> None:
         """Drop every row (a load level stopped by its time limit leaves some live)."""
+        if self.inflight is not None:  # its tokens are nobody's now
+            self.inflight.out.cpu()
+            self.inflight = None
         self.row_key[:] = -1
         self.row_finishing[:] = False
         self.row_prefilling[:] = False
@@ -339,7 +372,7 @@ class BatchedServer:
             self.row_ready[row] = 0
         if self.codec is not None:
             self.codec.reset(rows)
-        self._synced("prefill", t0)
+        self._synced("prefill", t0, sync=not self.pipeline)
         self.last_admit_step = self.stats.steps
         self.stats.prefills += 1
         self.stats.prefill_rows += len(take)
@@ -350,9 +383,9 @@ class BatchedServer:
     def bucket(self) -> tuple[int, int]:
         live = np.flatnonzero(self.row_key >= 0)
         b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, int(live[-1]) + 1)]
-        s = self.ctx_buckets[
-            bisect.bisect_left(self.ctx_buckets, int(self.row_pos[live].max()) + 1)
-        ]
+        # pipelined, the host's positions lag the device's by the step in flight
+        furthest = min(int(self.row_pos[live].max()) + 1 + self.pipeline, self.dec.capacity)
+        s = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, furthest)]
         return b, s
 
     def _stage_chunk(self) -> tuple[int, list[Prefilling]]:
@@ -395,43 +428,77 @@ class BatchedServer:
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """One decode step over the rows still sampling (none: only the codec's pending
-        chunks), then the events of rows whose audio became ready or that finished."""
-        if self.live() == 0:
+        chunks), then the events of rows whose audio became ready or that finished.
+        Pipelined, the step read back here is the one launched by the call before, and the
+        next one is launched before this one's tokens are handled."""
+        if self.live() == 0 and self.inflight is None:
             return []
-        sampling = (self.row_key >= 0) & ~self.row_finishing & ~self.row_prefilling
-        sampled, prefilled = None, []
-        if sampling.any() or self.pending:
-            sampled, prefilled = self._decode_step()
+        step = None
+        if self.pipeline:
+            step = self.inflight or (self._launch() if self._has_work() else None)
+            self.inflight = None
+        elif self._has_work():
+            step = self._launch()
+        sampled = None
+        if step is not None:
+            if self.overlap and not self.pipeline:  # while the step runs
+                step.t0 += self._launch_codec()
+            if self.pipeline:  # its phase is the wait alone: the host worked meanwhile
+                step.t0 = time.perf_counter()
+            # the step's one host sync; a copy, as the next step reuses `out` (on the CPU
+            # .cpu() returns the buffer itself)
+            sampled = step.out.cpu().numpy().copy()
+            self._synced("step", step.t0, sync=False)
+            if self.pipeline and self._has_work(ahead=1):  # it runs while we go on
+                self.inflight = self._launch()
         elif self.codec is not None and self.overlap:  # nothing to overlap: launch and wait
             t0 = time.perf_counter()
             launch = self._launch_codec()
             self.codec.wait()
             self.stats.seconds["codec_wait"] += time.perf_counter() - t0 - launch
         t0 = time.perf_counter()
-        chunked = self._collect(sampled) if sampled is not None else np.empty(0, np.int64)
-        if prefilled:  # armed after _collect: this step sampled nothing for them
-            t1 = time.perf_counter()
-            self._arm_prefilled(prefilled)
-            self._synced("prefill", t1)
-            t0 += time.perf_counter() - t1
+        chunked = np.empty(0, np.int64)
+        if step is not None and sampled is not None:
+            chunked = self._collect(sampled, step)
+            if step.prefilled:  # armed after _collect: this step sampled nothing for them
+                t1 = time.perf_counter()
+                self._arm_prefilled(step.prefilled)
+                self._synced("prefill", t1, sync=not self.pipeline)
+                t0 += time.perf_counter() - t1
+        if self.codec is not None and self.pipeline and self.overlap:  # beside the next step
+            t0 += self._launch_codec()
         if self.codec is not None and not self.overlap:
             t1 = time.perf_counter()
             self.codec.launch(self.stats.codec_decodes)  # and waits for the audio
             self._synced("codec", t1)
             t0 += time.perf_counter() - t1  # host time is the rest
         events = self._report(chunked)
-        self._synced("host", t0)
+        self._synced("host", t0, sync=not self.pipeline)
+        if self.inflight is not None and self.live() == 0:  # a stream ended on its own:
+            t0 = time.perf_counter()  # the step launched for it has no one to serve
+            self.inflight.out.cpu()
+            self.inflight = None
+            self._synced("step", t0, sync=False)
         return events
 
-    def _decode_step(self) -> tuple[np.ndarray, list[Prefilling]]:
-        """One step (carrying the next prompt chunk, if any): its sampled tokens, and the
-        rows whose prompts its chunk completed."""
+    def _has_work(self, ahead: int = 0) -> bool:
+        """A row still sampling after `ahead` more tokens (pipelined: 1, the step read back
+        but not yet handled: a row it takes to its budget needs no next step), or a prompt
+        still to write (chunked prefill)."""
+        sampling = (self.row_key >= 0) & ~self.row_finishing & ~self.row_prefilling
+        sampling &= self.row_count + ahead < self.row_budget
+        return bool(sampling.any()) or bool(self.pending)
+
+    def _launch(self) -> Launched:
+        """Stage the next prompt chunk (if any) and launch a step over the bucket of the
+        rows live now; its tokens are read back by `step`."""
         b, s = self.bucket()
         c, completes = 0, []
         if self.pending:
             t0 = time.perf_counter()
             c, completes = self._stage_chunk()
             self._synced("prefill", t0, sync=False)  # a host copy: nothing left to wait for
+        sampling = (self.row_key[:b] >= 0) & ~self.row_finishing[:b] & ~self.row_prefilling[:b]
         if self.graphs_on:
             graph, out = self.graphs.get((b, s, c)) or self._capture(b, s, c)
             t0 = time.perf_counter()  # a capture (outside warm_up) is not a step's time
@@ -439,13 +506,10 @@ class BatchedServer:
         else:
             t0 = time.perf_counter()
             out = self.dec.step(b, s, c)
-        launch = self._launch_codec() if self.overlap else 0.0  # while the step runs
-        sampled = out.cpu().numpy()  # the step's one host sync
-        self._synced("step", t0 + launch, sync=False)
         self.stats.steps += 1
         self.stats.step_rows += b
         self.stats.buckets_used.add((b, s))
-        return sampled, completes
+        return Launched(out, self.row_key[:b].copy(), sampling, completes, t0)
 
     def _launch_codec(self) -> float:
         """Start the queued chunks on the codec's stream; returns the host seconds it took."""
@@ -456,12 +520,15 @@ class BatchedServer:
         self.stats.seconds["codec_launch"] += spent
         return spent
 
-    def _collect(self, sampled: np.ndarray) -> np.ndarray:
+    def _collect(self, sampled: np.ndarray, step: Launched) -> np.ndarray:
         """Append the sampled tokens, hand completed chunks to the codec, mark the rows that
         finished sampling; returns the rows that completed a chunk. Vectorised over rows
-        (host time here is GPU idle time: the step has synced)."""
+        (host time here is GPU idle time unless pipelined). A row counts only if it was
+        sampling when the step launched, for the same request, and still is (pipelined:
+        a row that finished in the step before drew one more token, dropped here)."""
         b, pf = len(sampled), self.per_frame
         live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b] & ~self.row_prefilling[:b]
+        live &= step.sampling & (self.row_key[:b] == step.keys)
         self.row_pos[:b] += live
         ended = live & (sampled == self.model.vocab.end_id)
         keep = np.flatnonzero(live & ~ended)
@@ -481,7 +548,7 @@ class BatchedServer:
             self.tokens[int(self.row_key[r])] = self.row_tokens[r, : count[r]].tolist()
         self.row_finishing[finished] = True
         if len(finished):
-            self.dec.active[torch.from_numpy(finished)] = 0
+            self.dec.deactivate(finished.tolist())
         return rows
 
     def _report(self, chunked: np.ndarray) -> list[StepEvent]:

@@ -62,6 +62,13 @@ class BatchedDecodeParams(TechniqueParams):
         "decode step as extra rows of its projections (needs glue triton; the same cache up "
         "to rounding order; with kv fp8 a prompt attends over its quantized keys).",
     )
+    pipeline: bool = Field(
+        False,
+        description="Launch each decode step as soon as the last one's tokens are read "
+        "back, so the host's bookkeeping, codec launches and admissions run beside it (the "
+        "same tokens; a refilled row starts a step later; needs codec overlap). Its speed "
+        "is not yet measured.",
+    )
     kv: Literal["model", "fp8"] = Field(
         "model",
         description="model: the cache in the model's dtype; fp8: e4m3 keys and values, each "
@@ -104,6 +111,9 @@ class BatchedDecodeParams(TechniqueParams):
 
         if why := glue_refusal(self.glue, self.attention):
             raise ValueError(why)
+        if self.pipeline and self.codec != "overlap":
+            raise ValueError("pipeline needs codec 'overlap' (a synchronous codec waits for "
+                             "the step in flight)")  # fmt: skip
         if self.chunk_tokens and self.glue != "triton":
             raise ValueError("chunk_tokens needs glue 'triton' (its kernels' row maps)")
         if self.codec_attention == "triton" and self.codec_kv != "ring":
@@ -119,7 +129,8 @@ class BatchedDecode(Technique):
     # weights (was one GEMM over a concatenated copy: another summation order); 5: `kv`
     # (its default keeps the cache in the model's dtype); 6: `glue` (its default keeps the
     # eager ops); 7: `codec_kv` and `codec_attention` (their defaults keep the gathered
-    # window and SDPA); 8: `chunk_tokens` (its default keeps prompts written apart), and
+    # window and SDPA); 8: `chunk_tokens` and `pipeline` (their defaults keep prompts
+    # written apart and steps one after another), and
     # the attention kernel splits each row's positions across programs when a bucket has
     # few rows (BatchedDecoder.splits: the same softmax summed in another order)
     version = 8
@@ -177,6 +188,7 @@ class BatchedDecode(Technique):
                 kv=params.kv,
                 glue=params.glue,
                 chunk_tokens=params.chunk_tokens,
+                pipeline=params.pipeline,
                 # a projections technique that serves many rows (fp8_projections), if any
                 projections=engine.projections if engine.projections.serves_rows else None,
             )
