@@ -42,6 +42,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` without the host waiting for work queued before (a
+    pageable copy synchronizes with the stream): pinned and non-blocking on CUDA (the
+    caching host allocator keeps the pinned block until the copy has run); on the CPU,
+    `t` moved as is."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, float] | None:
     """Kernels executed, host launch calls made and GPU-busy microseconds while `fn` runs;
     None off CUDA."""

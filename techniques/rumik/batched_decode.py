@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrate.api.config import SamplingConfig
+from orchestrate.api.device import to_device_async
 from orchestrate.families.rumik.engine import Projections, layer_norm, stock_engine, tensor_bytes
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
@@ -326,13 +327,8 @@ class BatchedDecoder:
         self.active[self.to_device(rows)] = 0
 
     def to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """Host values onto the device without the host waiting for the steps launched
-        before (a pageable copy synchronizes with the stream): pinned and non-blocking on
-        CUDA (the pinned block is not reused before the copy has run)."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.ids.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.ids.device, non_blocking=True)
+        """Host values onto the device without waiting for the steps launched before."""
+        return to_device_async(torch.tensor(values, dtype=dtype), self.ids.device)
 
     def stage_chunk(self, rows: list[int], positions: list[int], ids: list[int], c: int) -> None:
         """The prompt tokens the next `step(b, s, c)` carries: token j into cache row

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from orchestrate.api.device import to_device_async
 from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
@@ -110,7 +111,7 @@ class ChunkCodec:
         pageable copy would: it is ordered behind the chunks launched before it)."""
         if self.side is None:
             return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device_async(t, self.device)
 
     def reset(self, rows: list[int]) -> None:
         """New streams take these rows: zero their history (ordered after their last
