@@ -409,6 +409,7 @@ class BatchedDecoder:
             windowed = full & (ahead < self.window)[:, None, None]
         rows = self.row_index[:b]
         g = self.hq // self.hkv
+        split = self.splits(b)  # the attention kernel's, once for every layer
 
         def attend(i: int, q, k, v) -> torch.Tensor:
             self._write(i, (rows, slice(None), pos), k[:, :, 0], v[:, :, 0])
@@ -419,7 +420,7 @@ class BatchedDecoder:
                     scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
                 out = self.attention(
                     q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1,
-                    **scales, **self.splits(b),
+                    **scales, **split,
                 )  # fmt: skip
                 return out[:, :, None]
             # The g query heads sharing a kv head become g query rows against it: no GQA
@@ -455,6 +456,7 @@ class BatchedDecoder:
             ids = torch.cat([ids, self.chunk_ids[:c]])
             rows = {"cache_rows": torch.cat([self.row_index[:b], self.chunk_rows[:c]])}
         m = b + c
+        split = self.splits(m)  # the attention kernel's, once for every layer
         x = F.embedding(ids, self.embed)  # [m, H]
         # FP8 projections: the norm's and the SwiGLU's kernels quantize what they write
         quantized = self.proj.quantized_rows
@@ -477,7 +479,7 @@ class BatchedDecoder:
             span = self.window if self.sliding[i] else 0
             attn = self.attention(
                 q, k_cache, v_cache, pos, window=span, length_offset=1, **scales, **rows,
-                **self.splits(m),
+                **split,
             )  # fmt: skip
             attn = attn.view(m, self.hq * self.d)
             if quantized:

@@ -458,7 +458,8 @@ class BatchedServer:
             self.stats.seconds["codec_wait"] += time.perf_counter() - t0 - launch
         t0 = time.perf_counter()
         chunked = np.empty(0, np.int64)
-        if step is not None and sampled is not None:
+        if step is not None:
+            assert sampled is not None
             chunked = self._collect(sampled, step)
             if step.prefilled:  # armed after _collect: this step sampled nothing for them
                 t1 = time.perf_counter()
@@ -481,12 +482,16 @@ class BatchedServer:
             self._synced("step", t0, sync=False)
         return events
 
+    def _sampling(self) -> np.ndarray:
+        """Each row: taken by a stream that is still sampling (its prompt written, its last
+        token not yet drawn)."""
+        return (self.row_key >= 0) & ~self.row_finishing & ~self.row_prefilling
+
     def _has_work(self, ahead: int = 0) -> bool:
         """A row still sampling after `ahead` more tokens (pipelined: 1, the step read back
         but not yet handled: a row it takes to its budget needs no next step), or a prompt
         still to write (chunked prefill)."""
-        sampling = (self.row_key >= 0) & ~self.row_finishing & ~self.row_prefilling
-        sampling &= self.row_count + ahead < self.row_budget
+        sampling = self._sampling() & (self.row_count + ahead < self.row_budget)
         return bool(sampling.any()) or bool(self.pending)
 
     def _launch(self) -> Launched:
@@ -498,7 +503,7 @@ class BatchedServer:
             t0 = time.perf_counter()
             c, completes = self._stage_chunk()
             self._synced("prefill", t0, sync=False)  # a host copy: nothing left to wait for
-        sampling = (self.row_key[:b] >= 0) & ~self.row_finishing[:b] & ~self.row_prefilling[:b]
+        sampling = self._sampling()[:b]
         if self.graphs_on:
             graph, out = self.graphs.get((b, s, c)) or self._capture(b, s, c)
             t0 = time.perf_counter()  # a capture (outside warm_up) is not a step's time
@@ -527,8 +532,7 @@ class BatchedServer:
         sampling when the step launched, for the same request, and still is (pipelined:
         a row that finished in the step before drew one more token, dropped here)."""
         b, pf = len(sampled), self.per_frame
-        live = (self.row_key[:b] >= 0) & ~self.row_finishing[:b] & ~self.row_prefilling[:b]
-        live &= step.sampling & (self.row_key[:b] == step.keys)
+        live = self._sampling()[:b] & step.sampling & (self.row_key[:b] == step.keys)
         self.row_pos[:b] += live
         ended = live & (sampled == self.model.vocab.end_id)
         keep = np.flatnonzero(live & ~ended)
