@@ -5,6 +5,8 @@ and where the stack is refused. CPU (emulated: the same rounding, float32 matmul
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,40 @@ def fp8_stack(*names: str) -> StackSpec:
     params = {"batched_decode": {"rows": 4}}
     refs = [TechniqueRef(name=n, params=params.get(n, {})) for n in names]
     return StackSpec(name="fp8-serving", family="rumik", techniques=refs)
+
+
+def test_a_parked_fp8_server_holds_only_what_it_reads_and_serves_the_same_tokens(model):
+    """Parked (api/parking.py), the bf16 originals leave the device for the run: the server
+    still serves every token it served with them present (a read of one would fail: a
+    parked weight is empty), and after the block the model is whole again, its q,k,v,gate,up
+    still views of one packed storage."""
+    from orchestrate.families.rumik.model import packed_input_weight
+
+    layer = model.lm.model.layers[0]
+    before = [p.weight.clone() for p in input_projections(layer)]
+    packed_before = packed_input_weight(layer) is not None
+    proj = Fp8Packed(model)
+    reqs = [ServeRequest(k, prompt(model, t), 3, seed=5 + k) for k, t in enumerate(TEXTS)]
+
+    def serve(park: bool) -> tuple[dict[int, list[int]], dict[str, int]]:
+        server = BatchedServer(model, 3, 256, TOPK, graphs=False, codec=False, projections=proj)
+        with server.parked() if park else contextlib.nullcontext():
+            held = server.memory()
+            waiting = list(reqs)
+            while waiting or server.live():
+                waiting = waiting[server.admit(waiting) :]
+                server.step()
+        return server.tokens, held
+
+    tokens, held = serve(park=False)
+    parked_tokens, parked_held = serve(park=True)
+    assert parked_tokens == tokens
+    assert held["weights_unread"] > 0 and parked_held["weights_unread"] == 0
+    assert parked_held["weights_parked"] == held["weights_unread"]
+    assert parked_held["weights_read"] == held["weights_read"]
+    after = [p.weight for p in input_projections(layer)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert packed_before and packed_input_weight(layer) is not None
 
 
 def test_fp8_projections_is_refused_where_nothing_would_read_it_and_on_the_cpu():

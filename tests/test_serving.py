@@ -788,6 +788,8 @@ def test_a_serving_workload_runs_through_the_worker_and_is_stored(tmp_path):
     assert not any("exactness unmeasured" in w for w in stack["warnings"])
     memory = doc["memory_bytes"]
     assert memory["cache"] > 0 and 0 < memory["weights_copied"] < memory["weights_read"]
+    # measured parked (api/parking.py): this stack reads every model weight, so none left
+    assert memory["weights_parked"] == 0 and memory["weights_unread"] == 0
     assert "memory_bytes" in doc["definitions"]
     page = tmp_path / "page.html"  # the run's report page explains the serving columns
     out = run_cli(["report", run["id"], "--db", db, "--out", str(page)], cli_env(), Path.cwd())

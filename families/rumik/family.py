@@ -180,7 +180,8 @@ class RumikFamily(Family):
             warm_up=server.warm_up,
             described=server.described(),
             phases=getattr(server, "phase_seconds", None),
-            memory=server.memory() if hasattr(server, "memory") else None,
+            memory=getattr(server, "memory", None),
+            parked=getattr(server, "parked", None),
         )
 
     def fidelity(

@@ -21,6 +21,7 @@ import fnmatch
 import hashlib
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -155,7 +156,9 @@ class Serving:
     does, in words, for the record. `phases`, where the server times its work: seconds per
     named phase (each ended by a device sync) since warm-up, which `described["phases"]`
     defines. `memory`, where the server accounts for it: bytes it holds by what they are
-    (the server's own definitions, kept with the record)."""
+    (the server's own definitions, kept with the record), asked inside `parked`.
+    `parked`, where the server can: a context for the whole run (warm-up included) in which
+    the model's weights it never reads are off the device (api/parking.py)."""
 
     server: StreamServer
     requests: list[StreamRequest]
@@ -164,7 +167,8 @@ class Serving:
     warm_up: Callable[[], int]
     described: dict[str, str]
     phases: Callable[[], dict[str, float]] | None = None
-    memory: dict[str, int] | None = None
+    memory: Callable[[], dict[str, int]] | None = None
+    parked: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 class Family(abc.ABC):

@@ -19,6 +19,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,10 +48,12 @@ DEFINITIONS = {
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
     "time outside them (the driver's loop, waiting for arrivals)",
-    "memory_bytes": "bytes the server holds, where it accounts for them: weights_read (every "
-    "weight its step reads), weights_copied (the part of those held beside the model's own "
-    "tensors, not in them), weights_unread (the model's weights its step never reads, held "
-    "for other paths), cache (its K/V rows)",
+    "memory_bytes": "bytes the server holds on its device after warm-up, where it accounts "
+    "for them: weights_read (every weight its step reads), weights_copied (the part of those "
+    "held beside the model's own tensors, not in them), weights_unread (the model's weights "
+    "its step never reads still on the device), cache (its K/V rows); weights_parked (the "
+    "unread weights moved to host memory for the run, put back after) and parked_freed "
+    "(the CUDA allocator's measured drop when they left)",
 }
 
 
@@ -323,13 +326,16 @@ def serve_stack(
             "rate or the duration"
         )
     setup = family.serving(engine, workload, len(arrived))
-    t0 = time.perf_counter()
-    captured = setup.warm_up()
-    warm_s = time.perf_counter() - t0
-    trace: list[tuple[float, int]] = []
-    records, wall_s = drive(
-        setup.server, setup.requests, arrived, setup.frames, load.time_limit_s, live_trace=trace
-    )
+    with setup.parked() if setup.parked is not None else nullcontext():
+        t0 = time.perf_counter()
+        captured = setup.warm_up()
+        warm_s = time.perf_counter() - t0
+        memory = setup.memory() if setup.memory is not None else None
+        trace: list[tuple[float, int]] = []
+        records, wall_s = drive(
+            setup.server, setup.requests, arrived, setup.frames, load.time_limit_s,
+            live_trace=trace,
+        )  # fmt: skip
     level = summarise(records, setup.frame_s, load.chunk_frames, shape, trace)
     if setup.phases is not None:
         steps = int(getattr(getattr(setup.server, "stats", None), "steps", 0))
@@ -341,7 +347,7 @@ def serve_stack(
         "load_label": load.label(),
         "server": setup.described,
         "graphs_captured": captured,
-        "memory_bytes": setup.memory,
+        "memory_bytes": memory,
         "wall_s": wall_s,
         "definitions": DEFINITIONS,
         **level,
@@ -361,6 +367,6 @@ def serve_stack(
         f"serve.phase_ms_per_step.{name}": ms
         for name, ms in level.get("phase_ms_per_step", {}).items()
     }
-    metrics |= {f"serve.memory_bytes.{name}": float(n) for name, n in (setup.memory or {}).items()}
+    metrics |= {f"serve.memory_bytes.{name}": float(n) for name, n in (memory or {}).items()}
     metrics["serve.wall_s"] = wall_s
     return metrics, warm_s

@@ -186,19 +186,35 @@ class BatchedDecoder:
         self.chunk_ids = torch.zeros(chunk_tokens, **long)
         self.stop_from = sampling.min_tokens_before_stop
 
+    def _reads(self) -> list[torch.Tensor]:
+        """Every weight the step (and prompt writes) read."""
+        stop = self.model.stop_head.parameters()
+        return [*self.proj.tensors(), self.embed, *self.norms, self.final_norm, self.head_w, *stop]
+
+    def _model_parameters(self) -> list[torch.nn.Parameter]:
+        return [*self.model.lm.parameters(), *self.model.stop_head.parameters()]
+
+    def unread_parameters(self) -> list[torch.nn.Parameter]:
+        """The model's parameters in storages the step never reads (every parameter of such
+        a storage): what a serving run may park off the device (api/parking.py)."""
+        read = {t.untyped_storage().data_ptr() for t in self._reads()}
+        return [
+            p
+            for p in self._model_parameters()
+            if p.untyped_storage().nbytes() and p.untyped_storage().data_ptr() not in read
+        ]
+
     def memory(self) -> dict[str, int]:
-        """Bytes this decoder holds, by what they are: `weights_read`, every weight its step
-        reads; `weights_copied`, the part of those not in a tensor the model itself holds
-        (the head's gathered rows: small; FP8 projections: theirs); `weights_unread`, the
-        model's weights its step never reads (held for stock: the full vocabulary head;
-        with FP8 projections, their bf16 originals); `cache`, its K/V rows."""
-        model = self.model
-        reads = [*self.proj.tensors(), self.embed, *self.norms]
-        reads += [self.final_norm, self.head_w, *model.stop_head.parameters()]
+        """Bytes this decoder holds on its device, by what they are: `weights_read`, every
+        weight its step reads; `weights_copied`, the part of those not in a tensor the model
+        itself holds (the head's gathered rows: small; FP8 projections: theirs);
+        `weights_unread`, the model's weights its step never reads, still on the device
+        (the full vocabulary head; with FP8 projections, their bf16 originals; 0 while
+        parked); `cache`, its K/V rows."""
+        reads = self._reads()
         storages = {  # the model's weights by storage: views of one tensor counted once
             p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-            for module in (model.lm, model.stop_head)
-            for p in module.parameters()
+            for p in self._model_parameters()
         }
         read = {t.untyped_storage().data_ptr() for t in reads}
         copied = [t for t in reads if t.untyped_storage().data_ptr() not in storages]
