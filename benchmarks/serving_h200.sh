@@ -31,7 +31,7 @@ if [[ $parts == *" tests "* ]]; then
 timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py \
     -k "decode_attention or serving_step or fp8 or rows or glue or quantize or e4m3 or one_row" 2>&1 | tee "$OUT/serving-gpu-tests.log" | tail -3
 timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_serving.py \
-    tests/test_fp8_projections.py 2>&1 \
+    tests/test_fp8_projections.py tests/test_parking.py 2>&1 \
     | tee -a "$OUT/serving-gpu-tests.log" | tail -3
 fi
 [[ $parts == *" codec "* ]] && timeout "${CODEC_TIMEOUT:-150}" python3 benchmarks/codec_bench.py \
