@@ -116,6 +116,13 @@ def fill_state(dec: BatchedDecoder, context: int) -> None:
     dec.seed.copy_(torch.arange(dec.rows, device=dec.seed.device))
 
 
+def set_residual_epilogue(dec: BatchedDecoder, variant: str) -> None:
+    """FP8 projections' one-row residual adds: in the GEMV epilogue, unless the variant is
+    `_adds` (their add kernels), read when the variant's graph is captured."""
+    if hasattr(dec.proj, "residual_epilogue"):
+        dec.proj.residual_epilogue = "_adds" not in variant
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,64,256,512")
@@ -190,6 +197,7 @@ def main() -> None:
             projections=Fp8Packed(model), kv="fp8", **chunked,
         )  # fmt: skip
         variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"], "auto")
+        variants["triton_kv8_fp8_adds"] = ("triton", decs["fp8_proj"], "auto")
     if args.unsplit:  # the kernel-glue variants again with the attention never split
         for name, (glue, d, _) in list(variants.items()):
             if glue == "triton":
@@ -224,6 +232,9 @@ def main() -> None:
             "triton_kv8_fp8": "triton_kv8 with fp8_projections: e4m3 weights, activation "
             "rows quantized by the norm's and SwiGLU's kernels and (attention's output) "
             "kernels/fp8_rows.py, torch._scaled_mm (APPROXIMATE)",
+            "triton_kv8_fp8_adds": "triton_kv8_fp8 with its one-row residual adds as add "
+            "kernels (two a layer), not in the GEMVs' epilogue (Fp8Packed.residual_epilogue); "
+            "the same at more rows",
             "*_unsplit": "(--unsplit) the variant with its attention never split; the others "
             "split each row's positions across programs at small row counts "
             "(`attention_splits` per level: BatchedDecoder.splits, exact up to rounding order)",
@@ -241,6 +252,7 @@ def main() -> None:
             graphs, agree = {}, {}
             for name, (glue, d, splits) in variants.items():
                 d.glue, d.attention_splits = glue, splits
+                set_residual_epilogue(d, name)
                 graphs[name] = warm_and_capture(lambda b=b, d=d: d.step(b, d.capacity))[0]
                 agree[name] = (d._forward(b, d.capacity).float(), d.step(b, d.capacity))
             h0, t0 = agree["torch"]
@@ -310,6 +322,7 @@ def time_chunk(variants: dict, b: int, c: int, replays: int) -> dict:
         if glue != "triton":
             continue
         d.glue, d.attention_splits = glue, splits
+        set_residual_epilogue(d, name)
         gen = torch.Generator().manual_seed(c)
         ids = torch.randint(1, d.embed.shape[0], (c,), generator=gen).tolist()
         d.stage_chunk([d.scratch] * c, list(range(c)), ids, c)
@@ -334,6 +347,7 @@ def time_prefill(variants: dict, rows: int, tokens: int, replays: int) -> dict:
     graphs = {}
     for name, (glue, d, splits) in variants.items():
         d.glue, d.attention_splits = glue, splits
+        set_residual_epilogue(d, name)
         gen = torch.Generator(device=d.ids.device).manual_seed(tokens)
         ids = torch.randint(1, d.embed.shape[0], (rows, tokens), generator=gen, device=gen.device)
         index = torch.arange(rows, device=ids.device)

@@ -339,6 +339,41 @@ def test_the_gemv_gives_fp8_projections_products_at_one_row(n: int, k: int, cfg:
     assert rel_err(unscaled, ref) > 0.5
 
 
+@pytest.mark.parametrize("n,k,cfg", [(c[1], c[2], c[3]) for c in FP8_GEMV_CASES[:3]])
+def test_the_gemvs_residual_epilogue_adds_its_input_once(n: int, k: int, cfg: object) -> None:
+    """`residual`: y = residual + x @ W.T, summed in fp32 and rounded once, split-K or not
+    (fp8_projections' one-row residual adds); int8 weights the same."""
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_matmul, quantize_rows
+
+    w = Fp8Weight.of(randn(n, k))
+    xq, xs = quantize_rows(randn(1, k, scale=5.0))
+    res = randn(n, dtype=torch.bfloat16, scale=200.0)  # beside products of ~5 * sqrt(k)
+    out = gemv.int8_linear(xq, w.q, w.scale, config=cfg, x_scale=xs, residual=res)
+    ref = res.float() + fp8_matmul(xq, xs, w, emulate=True, dtype=torch.float32)[0]
+    assert out.shape == (1, n) and rel_err(out[0], ref) < tol(torch.bfloat16)
+    plain = gemv.int8_linear(xq, w.q, w.scale, config=cfg, x_scale=xs)
+    assert rel_err(plain[0], ref) > 0.5  # without it, the residual is missing
+    q, scale = gemv.quantize_int8(randn(n, k))
+    x = randn(1, k, dtype=torch.bfloat16)
+    out8 = gemv.int8_linear(x, q, scale, config=cfg, residual=res)
+    ref8 = res.float() + (x.float() @ q.float().t()) * scale.float()
+    assert rel_err(out8[0], ref8[0]) < tol(torch.bfloat16)
+
+
+def test_the_gemv_refuses_a_residual_it_cannot_add() -> None:
+    q, scale = gemv.quantize_int8(randn(64, 256))
+    x = randn(2, 256, dtype=torch.bfloat16)
+    res = randn(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual goes with one row"):
+        gemv.int8_linear(x, q, scale, residual=res)  # two rows
+    with pytest.raises(ValueError, match="residual goes with one row"):
+        gemv.int8_linear(x[:1], q, scale, residual=res[:32])
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.int8_linear(x[:1], q, scale, residual=res.float())
+    with pytest.raises(ValueError, match="no residual"):
+        gemv.int8_linear(x[:1], q, scale, config=gemv.GemvConfig(16, 64, tma=True), residual=res)
+
+
 def test_the_gemv_refuses_what_its_fp8_paths_do_not_read() -> None:
     from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, quantize_rows
 
@@ -1461,8 +1496,8 @@ def test_int8_preload_changes_no_logit(fused_case, monkeypatch) -> None:
     plain = _teacher_forced(model, names, prompt, tokens[:4])
     seen: list[bool] = []
     launch = gemv._launch_gemv
-    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None: seen.append(
-        cfg.preload) or launch(x, q, s, o, cfg, pdl, xs))  # fmt: skip
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None, r=None:
+        seen.append(cfg.preload) or launch(x, q, s, o, cfg, pdl, xs, r))  # fmt: skip
     pre = _teacher_forced(model, names, prompt, tokens[:4], int8_projections={"preload": True})
     assert seen and all(seen)
     assert torch.equal(pre, plain) if not CUDA else rel_err(pre, plain) < 1e-6
@@ -1490,8 +1525,8 @@ def test_int8_gemv_configs_table_reaches_the_kernel(fused_case, monkeypatch) -> 
     monkeypatch.setitem(gemv.GEMV_TABLES, "pdl_tuned", EveryShape())
     seen: list[bool] = []
     launch = gemv._launch_gemv
-    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None: seen.append(
-        cfg.reduce_each) or launch(x, q, s, o, cfg, pdl, xs))  # fmt: skip
+    monkeypatch.setattr(gemv, "_launch_gemv", lambda x, q, s, o, cfg, pdl, xs=None, r=None:
+        seen.append(cfg.reduce_each) or launch(x, q, s, o, cfg, pdl, xs, r))  # fmt: skip
     each = _teacher_forced(model, names, prompt, tokens[:4],
                            int8_projections={"gemv_configs": "pdl_tuned"})  # fmt: skip
     assert seen and all(seen)

@@ -101,6 +101,9 @@ class Fp8Packed(Projections):
 
     serves_rows = True
     quantized_rows = True  # qkvgu_rows / residual_rows: rows quantized by the caller's kernels
+    # One row on CUDA: the residual adds in the GEMVs' epilogue (residual_rows); off, two
+    # add kernels a layer (benchmarks/batched_step.py times both in one run).
+    residual_epilogue = True
 
     @torch.no_grad()
     def __init__(self, model: RumikModel, emulate: bool | None = None):
@@ -141,7 +144,17 @@ class Fp8Packed(Projections):
         self, i: int, x: torch.Tensor, attn: torch.Tensor, aq: torch.Tensor, a_s: torch.Tensor
     ) -> torch.Tensor:
         """`residual` with the MLP activation already quantized (aq [m, F] e4m3, a_s [m,
-        1]) by the SwiGLU's kernel; attn is quantized here."""
+        1]) by the SwiGLU's kernel; attn is quantized here. One row on CUDA with
+        `residual_epilogue`: each GEMV adds its input's residual in its epilogue, (x + o) +
+        down, each sum in fp32 rounded once, instead of two add kernels a layer."""
+        if self.residual_epilogue and not self.emulate and aq.shape[0] == 1:
+            from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
+
+            w_o, w_down = self.w_o[i], self.w_down[i]
+            oq, o_s = quantize_activations(attn.reshape(1, -1))
+            h = int8_linear(oq, w_o.q, w_o.scale, x_scale=o_s, residual=x.reshape(-1))
+            y = int8_linear(aq, w_down.q, w_down.scale, x_scale=a_s, residual=h.reshape(-1))
+            return y.view(x.shape)
         o = fp8_linear(attn, self.w_o[i], self.emulate)
         return x + (o + fp8_matmul(aq, a_s, self.w_down[i], self.emulate, x.dtype))
 

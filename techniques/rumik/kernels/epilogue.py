@@ -22,13 +22,18 @@ SEMAPHORES: dict[str, torch.Tensor] = {}
 @triton.jit
 def store_scaled(
     part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask, pid_n, pid_k, N,
-    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, res_ptr=None, HAS_RES: tl.constexpr = False,
 ):  # fmt: skip
     """The per-channel scale, applied once per output; with split-K, the last program of
-    each row block (counted with an atomic) sums the partials and re-arms the semaphore."""
+    each row block (counted with an atomic) sums the partials and re-arms the semaphore.
+    HAS_RES: the output is res + the scaled sum, added in fp32 and rounded once (the
+    residual add of a decoder block, without a kernel of its own)."""
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if SPLIT_K == 1:
-        tl.store(out_ptr + offs_n, (part * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
+        y = part * scale
+        if HAS_RES:
+            y += tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         tl.store(part_ptr + pid_k * N + offs_n, part, mask=n_mask)
         # all threads' partial stores precede the release below (bar.sync + acq_rel atomic)
@@ -40,7 +45,10 @@ def store_scaled(
                 total += tl.load(
                     part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"
                 )
-            tl.store(out_ptr + offs_n, (total * scale).to(out_ptr.dtype.element_ty), mask=n_mask)
+            y = total * scale
+            if HAS_RES:
+                y += tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
             tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-arm for replay
 
 

@@ -237,6 +237,8 @@ def _int8_gemv_kernel(
     USE_PDL: tl.constexpr,
     X_SCALED: tl.constexpr = False,
     xs_ptr=None,
+    HAS_RES: tl.constexpr = False,
+    res_ptr=None,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -295,7 +297,7 @@ def _int8_gemv_kernel(
     if X_SCALED:  # an e4m3 x row's own scale (fp8_projections), beside the weights'
         part = part * tl.load(xs_ptr)
     store_scaled(part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
-                 pid_n, pid_k, N, BLOCK_N, SPLIT_K)  # fmt: skip
+                 pid_n, pid_k, N, BLOCK_N, SPLIT_K, res_ptr, HAS_RES)  # fmt: skip
 
 
 @triton.jit
@@ -429,12 +431,20 @@ def int8_linear(
     preload: bool = False,
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[..., N] = x[..., K] @ (q * scale[:, None]).T, for 1..4 rows of x. `preload` turns on
     the config's `preload` (one row only; a config with `prefetch` refuses it). With
-    `x_scale`, x is one e4m3 row and y = (x * x_scale) @ ... in `out_dtype` (default bf16)."""
+    `x_scale`, x is one e4m3 row and y = (x * x_scale) @ ... in `out_dtype` (default bf16).
+    With `residual` (one row, N values in the output's dtype; not the TMA kernel), y is
+    residual + that product, summed in fp32 and rounded once."""
     m, n, k = _check_inputs(x, q, scale, x_scale)
     dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
+    if residual is not None:
+        check_device("int8_linear", x, residual)
+        check_dtype("int8_linear residual", residual, (dtype,))
+        if m != 1 or residual.numel() != n or not residual.is_contiguous():
+            raise ValueError(f"int8_linear: residual goes with one row: {n} contiguous values")
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -446,14 +456,16 @@ def int8_linear(
     # GemvConfig refuses preload with prefetch; a tma config's pipeline already loads ahead
     if preload and m == 1 and not cfg.preload and not cfg.tma:
         cfg = replace(cfg, preload=True)
-    if cfg.tma and (q.dtype != torch.int8 or x_scale is not None):
-        raise ValueError("int8_linear: the TMA kernel reads int8 weights and an unscaled x")
+    if cfg.tma and (q.dtype != torch.int8 or x_scale is not None or residual is not None):
+        raise ValueError(
+            "int8_linear: the TMA kernel reads int8 weights and an unscaled x, no residual"
+        )
     if q.dtype == torch.float8_e4m3fn:  # e4m3 -> fp32 is a plain conversion
         cfg = replace(cfg, magic=False)
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
     if m == 1:
-        _launch_gemv(x2, q, scale, out, cfg, use_pdl, x_scale)
+        _launch_gemv(x2, q, scale, out, cfg, use_pdl, x_scale, residual)
     else:
         _launch_small_m(x2, q, scale, out, cfg, use_pdl)
     return out.reshape(*x.shape[:-1], n)
@@ -467,6 +479,7 @@ def _launch_gemv(
     cfg: GemvConfig,
     use_pdl: bool,
     x_scale: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     if cfg.tma:
         from .int8_gemv_tma import launch_gemv_tma
@@ -507,6 +520,8 @@ def _launch_gemv(
         USE_PDL=use_pdl,
         X_SCALED=x_scale is not None,
         xs_ptr=x_scale,
+        HAS_RES=residual is not None,
+        res_ptr=residual,
         **launch_options(use_pdl, cfg.num_warps, cfg.num_stages),
     )
 
