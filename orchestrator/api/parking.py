@@ -17,6 +17,7 @@ engine's view of it) stays allocated, and `freed` says so by coming out smaller 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ def parked(params: Iterable[torch.nn.Parameter]) -> Iterator[Parked]:
         if not any(p is q for q in group):
             group.append(p)
     devices = {p.device for group in groups.values() for p in group}
+    gc.collect()  # garbage in reference cycles (a freed server's graphs) may hold a storage
     before = {d: _allocated(d) for d in devices}
     saved: list[_Storage] = []
     try:
