@@ -188,6 +188,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "token, prefill and codec excluded) against each path at 1 stream (--levels has 1)",
     )
     ap.add_argument("--batch1-repeats", type=int, default=5, help="timed runs of --batch1-vs")
+    ap.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="profile the host (torch.profiler, CPU) over each of our levels: its top calls "
+        "by self time go in the level as host_profile; those levels' timings are perturbed",
+    )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serving.json")
@@ -394,7 +400,17 @@ def run_ours(
     ]
     server.clear()
     trace: list[tuple[float, int]] = []
-    records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
+    profiled = None
+    if args.profile_host:  # the host's calls by self time (this level's timing perturbed)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            records, wall = drive(
+                server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace
+            )
+        profiled = host_profile(prof)
+    else:
+        records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
     st = server.stats
     level = summarise(records, FRAME_S, args.chunk_frames, load, trace)
     level.update(
@@ -412,7 +428,21 @@ def run_ours(
         prefill_calls=st.prefills,
         buckets_used=sorted(st.buckets_used),
     )
+    if profiled is not None:
+        level["host_profile"] = profiled
+        level["host_profile_steps"] = st.steps
     return level
+
+
+def host_profile(prof: Any, top: int = 25) -> list[dict]:
+    """The host calls that took the most self time over a profiled level (CUDA runtime
+    calls among them: a synchronize, a host allocation, a pageable copy is where the host
+    waited for the GPU), per call and in all."""
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {"name": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
+        for e in rows[:top]
+    ]
 
 
 def run_baseline(model, n: int, prompt: list[int], frames: int, sampling, args, dev: str):
