@@ -194,10 +194,13 @@ class BatchedDecoder:
     def _model_parameters(self) -> list[torch.nn.Parameter]:
         return [*self.model.lm.parameters(), *self.model.stop_head.parameters()]
 
+    def _read_storages(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in self._reads()}
+
     def unread_parameters(self) -> list[torch.nn.Parameter]:
         """The model's parameters in storages the step never reads (every parameter of such
         a storage): what a serving run may park off the device (api/parking.py)."""
-        read = {t.untyped_storage().data_ptr() for t in self._reads()}
+        read = self._read_storages()
         return [
             p
             for p in self._model_parameters()
@@ -216,7 +219,7 @@ class BatchedDecoder:
             p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
             for p in self._model_parameters()
         }
-        read = {t.untyped_storage().data_ptr() for t in reads}
+        read = self._read_storages()
         copied = [t for t in reads if t.untyped_storage().data_ptr() not in storages]
         return {
             "weights_read": tensor_bytes(*reads),
