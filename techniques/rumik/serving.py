@@ -66,8 +66,9 @@ class BatchedDecodeParams(TechniqueParams):
         False,
         description="Launch each decode step as soon as the last one's tokens are read "
         "back, so the host's bookkeeping, codec launches and admissions run beside it (the "
-        "same tokens; a refilled row starts a step later; needs codec overlap). Its speed "
-        "is not yet measured.",
+        "same tokens; a refilled row starts a step later; needs codec overlap). Measured on "
+        "one H100: 2.5-7% off the mean step, the knee not moved, first audio later "
+        "(README, 'Pipelined steps').",
     )
     kv: Literal["model", "fp8"] = Field(
         "model",
