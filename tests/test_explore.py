@@ -24,7 +24,14 @@ from factories import stack_result
 from pydantic import ValidationError
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
-from orchestrate.api.proposer import ExplorationState, Proposal, Proposer, ProposerError, Tried
+from orchestrate.api.proposer import (
+    ExplorationState,
+    Proposal,
+    Proposer,
+    ProposerError,
+    Tried,
+    technique_key,
+)
 from orchestrate.api.protocol import Gate, MetricDef, Protocol, QualitySpec, SpeedRule
 from orchestrate.api.records import (
     EnvironmentInfo,
@@ -813,6 +820,25 @@ def test_a_combination_the_budget_stops_before_fresh_is_decided_not_a_crash(
     again = ex._combine([_measured(ex, ["static_kv_cache"]), _measured(ex, ["audio_head"])])
     assert again is not None and again["status"] == "open" and again["identity"]
     assert _since_gain([decided]) == 0
+
+
+def test_a_stack_the_budget_cut_is_proposed_again_from_a_later_champion(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the H200 (exploration 59be54fef175) the budget cut `+decode_attention +pdl` before
+    fresh; +decode_attention alone was then accepted, and the ladder never offered +pdl on
+    the new champion: the cut stack, never judged, counted as tried. It is no answer, so
+    proposers are not shown it; a judged one still is."""
+    monkeypatch.setattr("orchestrate.research.gate.run_gate", fake_gate())
+    ex = explorer(store, tmp_path, [Ladder()], per_job=2)
+    cut = _measured(ex, ["static_kv_cache", "audio_head"])
+    cut = ex._not_run(cut, "fresh", "budget spent: test")
+    judged = _measured(ex, ["static_kv_cache", "codebook_head"])
+    judged = ex._decide(judged, decisions.Step("fresh", "drop", "fresh: slower"))
+    assert state.cut_by_budget(cut) and not state.cut_by_budget(judged)
+    keys = ex._state().tried_keys()
+    assert technique_key(StackSpec.model_validate(cut["spec"])) not in keys
+    assert technique_key(StackSpec.model_validate(judged["spec"])) in keys
 
 
 def test_superseded_and_cut_candidates_spend_no_patience(store: Store, tmp_path: Path) -> None:

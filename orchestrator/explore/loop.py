@@ -846,7 +846,7 @@ class Explorer:
                 for c in self.s.store.list_candidates(self.id)
                 if c["identity"] == identity
                 and c["id"] != other_than
-                and not (c["status"] == "decided" and _cut(c))
+                and not (c["status"] == "decided" and state.cut_by_budget(c))
             ),
             None,
         )
@@ -993,13 +993,7 @@ def _spends_no_patience(cand: dict[str, Any]) -> bool:
     """Candidates that say nothing about whether the proposers still find gains: refused on
     this device, cut by the budget before they were judged (a resume takes them on), and
     superseded (they cleared their remeasure; a round-mate was accepted first)."""
-    return _refused_here(cand) or _cut(cand) or cand["decision"] == "superseded"
-
-
-def _cut(cand: dict[str, Any]) -> bool:
-    """The budget stopped the candidate on its way to its next phase."""
-    steps = cand.get("steps") or []
-    return bool(steps) and steps[-1]["phase"] == "budget"
+    return _refused_here(cand) or state.cut_by_budget(cand) or cand["decision"] == "superseded"
 
 
 def _refused_here(cand: dict[str, Any]) -> bool:

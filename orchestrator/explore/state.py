@@ -112,6 +112,12 @@ def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:
     return out
 
 
+def cut_by_budget(cand: dict[str, Any]) -> bool:
+    """The budget stopped the candidate on its way to its next phase."""
+    steps = cand.get("steps") or []
+    return bool(steps) and steps[-1]["phase"] == "budget"
+
+
 def build_state(
     exploration: dict[str, Any],
     candidates: list[dict[str, Any]],
@@ -129,7 +135,9 @@ def build_state(
         root=StackSpec.model_validate(exploration["root"]),
         min_speedup=exploration["protocol"]["speed"]["min_speedup"],
         catalogue=techniques,
-        tried=tried_of(candidates),
+        # One the budget cut before it was judged says nothing: its stack may be proposed
+        # again (on the H200 the cut +decode_attention +pdl kept +pdl from the next champion).
+        tried=tried_of([c for c in candidates if not cut_by_budget(c)]),
         profile=profile,
         pending=[
             jobs.stored_stack(c["spec"])
