@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrate.api.device import sync_sites
 from orchestrate.running.serving import (
     DEFINITIONS,
     Load,
@@ -194,6 +195,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="profile the host (torch.profiler, CPU) over each of our levels: its top calls "
         "by self time go in the level as host_profile; those levels' timings are perturbed",
+    )
+    ap.add_argument(
+        "--sync-sites",
+        action="store_true",
+        help="count the host-device synchronisations torch flags over each of our levels, by "
+        "the lines of this repository that made them (host_syncs); timings perturbed",
     )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
@@ -401,12 +408,14 @@ def run_ours(
     ]
     server.clear()
     trace: list[tuple[float, int]] = []
-    prof = None
-    if args.profile_host:  # the host's calls by self time (this level's timing perturbed)
-        from torch.profiler import ProfilerActivity, profile
+    prof = syncs = None
+    with contextlib.ExitStack() as watch:  # each perturbs this level's timings
+        if args.profile_host:  # the host's calls by self time
+            from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU])
-    with prof if prof is not None else contextlib.nullcontext():
+            prof = watch.enter_context(profile(activities=[ProfilerActivity.CPU]))
+        if args.sync_sites:  # where the host waited for the GPU, by our source line
+            syncs = watch.enter_context(sync_sites(Path(__file__).resolve().parents[1]))
         records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
     st = server.stats
     level = summarise(records, FRAME_S, args.chunk_frames, load, trace)
@@ -428,6 +437,9 @@ def run_ours(
     if prof is not None:
         level["host_profile"] = host_profile(prof)
         level["host_profile_steps"] = st.steps
+    if syncs is not None:
+        level["host_syncs"] = dict(syncs.most_common())
+        level["host_syncs_steps"] = st.steps
     return level
 
 
@@ -592,6 +604,13 @@ def main(argv: list[str] | None = None) -> int:
             "call's self milliseconds summed over the level, and its calls, top 25; "
             "host_profile_steps: that level's decode steps. The profiler's overhead perturbs "
             "every timing of a profiled level"
+        )
+    if args.sync_sites:
+        doc["definitions"]["host_syncs"] = (
+            "--sync-sites: host-device synchronisations torch flagged over the whole level "
+            "(torch.cuda.set_sync_debug_mode), counted by the innermost two frames in this "
+            "repository that made them; host_syncs_steps: that level's decode steps. The "
+            "warnings' handling perturbs every timing of such a level"
         )
     if args.batch1_vs:  # before any server: its engine is freed before the first cache
         doc["batch1"] = single_stream(model, args.batch1_vs, prompt, frames, sampling, args)

@@ -22,13 +22,21 @@ Triton's CPU interpreter, and a kernel's GPU time from CUDA-graph replay beyond 
 
 `graph_kernel_nodes` counts the kernel nodes of a captured torch.cuda.CUDAGraph (built with
 keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
+
+`sync_sites` counts the host-device synchronisations torch flags while a block runs, by the
+lines of a source tree that made them: where a pipelined host waits for the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +58,46 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def sync_sites(root: Path, depth: int = 2) -> Iterator[Counter[str]]:
+    """Every host-device synchronisation torch flags while the block runs (a blocking copy,
+    `.item()`, a stream or device synchronize: `torch.cuda.set_sync_debug_mode("warn")`),
+    counted by where code under `root` made it: its innermost `depth` frames there,
+    innermost first ("a.py:12 f < b.py:40 g"); "(outside ...)" when none is. Counts nothing
+    off CUDA. A wait torch does not flag (the driver's, a pinned allocation) is not here."""
+    counts: Counter[str] = Counter()
+    if not torch.cuda.is_available():
+        yield counts
+        return
+    base = str(root.resolve())
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            shown(message, category, filename, lineno, *rest)
+            return
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if f.filename.startswith(base) and "site-packages" not in f.filename
+        ]
+        site = " < ".join(
+            f"{os.path.relpath(f.filename, base)}:{f.lineno} {f.name}"
+            for f in reversed(frames[-depth:])
+        )
+        counts[site or f"(outside {base})"] += 1
+
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, float] | None:
