@@ -580,6 +580,34 @@ def test_chunked_prefill_graphed_serves_the_tokens_prompt_writes_serve_on_gpu():
     assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_pipelined_server_waits_for_the_gpu_only_to_read_tokens_on_gpu(chunk):
+    """Pipelined, the host handles a step's tokens while the next step runs: admitting,
+    holding, arming and retiring rows must not wait for it. `t[rows] = 0` with a CUDA index
+    does (torch copies the scalar with a blocking copy: a stream sync); on the H100 the
+    pipelined server made eight a step that way. Every sync left is a step's readback or
+    the codec's wait with no step to overlap, rows refilled mid-run, codec on its stream."""
+    from orchestrate.api.device import sync_sites
+
+    gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    server = BatchedServer(gpu_model, 2, 256, TOPK, graphs=True, codec=True, codec_overlap=True,
+                           codec_kv="ring", attention="triton", glue="triton",
+                           chunk_tokens=chunk, pipeline=True)  # fmt: skip
+    server.warm_up()
+    with sync_sites(Path(__file__).resolve().parents[1]) as syncs:
+        records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
+    assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
+    innermost = {site.split(" < ")[0] for site in syncs}
+    where = {(s.split(":")[0], s.rsplit(" ", 1)[1]) for s in innermost}
+    assert where <= {("techniques/rumik/batched_server.py", "step"),
+                     ("techniques/rumik/chunk_codec.py", "wait")}, dict(syncs)  # fmt: skip
+    assert sum(syncs.values()) <= server.stats.steps + len(reqs) * 4  # about one a step
+
+
 def _bench():
     import importlib.util
     from pathlib import Path

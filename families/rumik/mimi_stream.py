@@ -129,12 +129,12 @@ class MimiStream:
 
     def reset(self, rows: torch.Tensor) -> None:
         """Start new streams in these slots: zero history, position 0."""
-        rows = rows.to(self.device)
+        rows = rows.to(self.device)  # index_fill_: `buf[rows] = 0` would sync the stream
         for buf in (*self.state.values(), *self.keys, *self.values):
-            buf[rows] = 0
-        self.position[rows] = 0
+            buf.index_fill_(0, rows, 0)
+        self.position.index_fill_(0, rows, 0)
         if self.slot_position is not None:
-            self.slot_position[rows] = -1
+            self.slot_position.index_fill_(0, rows, -1)
 
     # ------------------------------------------------------------------ decode
 

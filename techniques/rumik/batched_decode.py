@@ -326,24 +326,26 @@ class BatchedDecoder:
         self, rows: list[int], prompts: list[list[int]], seeds: list[int], allow_end: list[bool]
     ) -> None:
         """Each row's state for its new stream: its next step reads its last prompt token."""
+        # index_fill_, never `t[r] = 0`: under a CUDA index torch copies a Python scalar to
+        # the device blocking, a stream sync that waits for a pipelined step in flight
         r = self.to_device(rows)
         self.ids[r] = self.to_device([p[-1] for p in prompts])
         self.pos[r] = self.to_device([len(p) - 1 for p in prompts])
-        self.count[r] = 0
+        self.count.index_fill_(0, r, 0)
         self.seed[r] = self.to_device([s & _M32 for s in seeds])
         self.allow_end[r] = self.to_device(allow_end, torch.bool)
-        self.active[r] = 1
+        self.active.index_fill_(0, r, 1)
 
     def hold(self, rows: list[int]) -> None:
         """Rows whose prompts go in by chunks: inactive, at position -1 until `arm`, so their
         step queries write no key and read no position while their prompts are written."""
         r = self.to_device(rows)
-        self.active[r] = 0
-        self.pos[r] = -1
+        self.active.index_fill_(0, r, 0)
+        self.pos.index_fill_(0, r, -1)
 
     def deactivate(self, rows: list[int]) -> None:
         """Rows that stop generating: later steps advance nothing of theirs."""
-        self.active[self.to_device(rows)] = 0
+        self.active.index_fill_(0, self.to_device(rows), 0)
 
     def to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host values onto the device without waiting for the steps launched before."""
