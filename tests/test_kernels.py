@@ -298,7 +298,7 @@ def test_int8_linear_rejects_unsupported() -> None:
 
 FP8_GEMV_CASES = [  # (m, n, k, cfg): one row and the small-m path; even, ragged, split-K
     (1, 64, 256, gemv.GemvConfig(16, 64)),
-    (1, 72, 200, gemv.GemvConfig(16, 64, magic=True)),  # magic is int8's: turned off
+    (1, 72, 200, gemv.GemvConfig(16, 64, magic=True)),  # e4m3 read by its bits
     (1, 40, 300, gemv.GemvConfig(8, 64, split_k=3, prefetch=True)),
     (3, 48, 160, gemv.GemvConfig(16, 64)),
 ]
@@ -320,6 +320,29 @@ def test_the_gemv_reads_e4m3_weights_exactly(m: int, n: int, k: int, cfg: object
     assert rel_err(out, ref) < tol(torch.bfloat16)
     as_int8 = gemv.int8_linear(x, w.q.view(torch.int8), w.scale, config=cfg)
     assert rel_err(as_int8, ref) > 0.5  # the same bytes read as int8 are another matrix
+
+
+@pytest.mark.parametrize("magic", [False, True])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_every_e4m3_code_is_read_as_its_value(magic: bool, split_k: int) -> None:
+    """Each of the 254 finite e4m3 codes, subnormals and both zeros among them, read exactly:
+    by conversion or (magic) by its bits, scaled by 2**-120 and the sums back by 2**120. Sums
+    of e4m3 values from 2**-9 to 448 stay exact in fp32; a row of subnormals alone would be
+    lost by a flush-to-zero."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    finite = codes[values.isfinite()]
+    q = torch.zeros(4, 256, dtype=torch.uint8)
+    q[0, : len(finite)] = finite  # every finite code
+    q[1, :7], q[2, :7] = codes[1:8], codes[129:136]  # the positive, then negative subnormals
+    q[3, : len(finite)] = finite.flip(0)
+    q = q.view(torch.float8_e4m3fn).to(DEVICE)
+    x = torch.ones(1, 256, device=DEVICE)
+    cfg = gemv.GemvConfig(16, 64, magic=magic, split_k=split_k)
+    out = gemv.int8_linear(x, q, torch.ones(4, device=DEVICE), config=cfg).double().cpu()[0]
+    ref = q.float().double().cpu().sum(1)
+    assert out[1] == ref[1] == 28 * 2.0**-9 and out[2] == ref[2] == -28 * 2.0**-9
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[3], ref[3])
 
 
 @pytest.mark.parametrize("n,k,cfg", [(c[1], c[2], c[3]) for c in FP8_GEMV_CASES[:3]])
