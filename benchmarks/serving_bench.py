@@ -808,7 +808,8 @@ def brief(level: dict[str, Any]) -> str:
         + "".join(f", {name} {ms:.3g}" for name, ms in level.get("phase_ms_per_step", {}).items())
         + (
             f"; sustained window: served {w['served']}/{w['streams']}, TTFA p95 "
-            f"{f(w['ttfa_p95_s'], 1e3)} ms, live mean {f(w['live_mean'])}"
+            f"{f(w['ttfa_p95_s'], 1e3)} ms, live mean {f(w['live_mean'])}, loop ms p50/p99/max "
+            f"{f(w.get('loop_ms_p50'))}/{f(w.get('loop_ms_p99'))}/{f(w.get('loop_ms_max'))}"
             if (w := level.get("sustained_window"))
             else ""
         )

@@ -449,6 +449,21 @@ def test_the_sustained_window_counts_only_its_streams_and_time():
     assert "sustained_window" not in summarise(records, 0.08, 1, Load(concurrency=3), trace)
 
 
+def test_the_loop_gaps_come_from_the_trace_level_wide_and_in_the_window():
+    """loop_ms: step-end to step-end gaps from the driver's trace; the window's are those
+    ending inside it (a long step at 1.2 s counts there, the 5 ms ones before it do not)."""
+    trace = [(0.0, 1), (0.005, 1), (0.010, 1), (1.0, 2), (1.01, 2), (1.2, 2), (1.21, 2), (2.5, 0)]
+    rec = StreamRecord(0, 0.0, 1, 0.0, [0.5], done=True)
+    load = Load(rate=1.0, duration_s=1.5, live=1, window_from_s=1.0)
+    level = summarise([rec], 0.08, 1, load, trace)
+    assert level["loop_ms_max"] == pytest.approx(1290.0)
+    assert level["loop_ms_p50"] == pytest.approx(10.0)
+    window = level["sustained_window"]
+    assert window["loop_ms_max"] == pytest.approx(190.0)  # 1.01 -> 1.2
+    assert window["loop_ms_p50"] == pytest.approx(10.0)
+    assert "loop_ms_p50" not in summarise([rec], 0.08, 1)  # no trace: no figure
+
+
 def test_poisson_arrivals_are_seeded_and_bounded():
     load = Load(rate=50.0, duration_s=2.0)
     a, b = arrivals(load, 1), arrivals(load, 1)

@@ -45,6 +45,10 @@ DEFINITIONS = {
     "expected number playing has reached the load's `live`",
     "live_mean": "streams live in the server (admitted, not yet finished), time-weighted "
     "over the sustained window",
+    "loop_ms": "the driver's loop, step end to step end (the admissions, the step and its "
+    "host work), in ms: p50, p95, p99 and max over the level (or the sustained window); a "
+    "frame is 8 steps, so real time allows 10 ms a step on average, and a run of long "
+    "steps makes the streams behind",
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
     "time outside them (the driver's loop, waiting for arrivals)",
@@ -249,7 +253,7 @@ def summarise(
 ) -> dict[str, Any]:
     """The level's figures (definitions in DEFINITIONS), unrounded, plus every stream's;
     for a sustained load, the same figures again over the streams of its window."""
-    out = _figures(records, frame_s, chunk_frames)
+    out = _figures(records, frame_s, chunk_frames) | _loop(live_trace, 0.0, math.inf)
     if load is not None and load.window_from_s is not None:
         start, end = load.window_from_s, float(load.duration_s or 0)
         window = [r for r in records if start <= r.arrival_s <= end]
@@ -257,8 +261,24 @@ def summarise(
             k: v for k, v in _figures(window, frame_s, chunk_frames).items() if k != "per_stream"
         }
         block |= {"from_s": start, "to_s": end, **_live(live_trace, start, end)}
-        out["sustained_window"] = block
+        out["sustained_window"] = block | _loop(live_trace, start, end)
     return out
+
+
+def _loop(trace: Sequence[tuple[float, int]], start: float, end: float) -> dict[str, Any]:
+    """Percentiles of the driver's step-to-step gaps ending in [start, end] (DEFINITIONS'
+    loop_ms), from the trace's timestamps; {} without a trace."""
+    gaps = [
+        1000 * (t1 - t0) for (t0, _), (t1, _) in itertools.pairwise(trace) if start < t1 <= end
+    ]
+    if not gaps:
+        return {}
+    return {
+        "loop_ms_p50": _pct(gaps, 50),
+        "loop_ms_p95": _pct(gaps, 95),
+        "loop_ms_p99": _pct(gaps, 99),
+        "loop_ms_max": max(gaps),
+    }
 
 
 def _live(trace: Sequence[tuple[float, int]], start: float, end: float) -> dict[str, Any]:
