@@ -9,8 +9,6 @@ projections (q,k,v,gate,up packed; o; down), four ways:
               fp8_projections ran before the kernel)
   fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
               share: what a quantization fused into the producing kernel would leave)
-  fp8_cvt:    (one row) fp8 with the GEMV's e4m3 weights converted by cvt instructions, as
-              before int8_fma._dequant read them by their bits (GemvConfig magic off)
 
     python benchmarks/fp8_gemm.py --rows 1,64,256,512 --out fp8-gemm.json
 
@@ -27,7 +25,6 @@ import argparse
 import functools
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,13 +33,7 @@ import torch.nn.functional as F
 from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
-from orchestrate.techniques.rumik.fp8_projections import (
-    Fp8Weight,
-    fp8_linear,
-    quantize_activations,
-    quantize_rows,
-)
-from orchestrate.techniques.rumik.kernels.int8_gemv import default_config, int8_linear
+from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_linear, quantize_rows
 
 LAYERS, HIDDEN, QKVGU, INTER = 36, 2048, 25_088, 11_008
 # (input features, output features) of each layer's three projections
@@ -68,13 +59,6 @@ def fp8_torch_quant(xs: list[torch.Tensor], weights: list[Fp8Weight]) -> None:
 def fp8_gemm(xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weight]) -> None:
     for (q, s), w in zip(xq, weights, strict=True):
         torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale, out_dtype=torch.bfloat16)
-
-
-def fp8_cvt(xs: list[torch.Tensor], weights: list[Fp8Weight]) -> None:
-    for x, w in zip(xs, weights, strict=True):
-        xq, xs_ = quantize_activations(x)
-        cfg = replace(default_config(*w.q.shape), magic=False)
-        int8_linear(xq, w.q, w.scale, x_scale=xs_, out_dtype=torch.bfloat16, config=cfg)
 
 
 def main() -> None:
@@ -110,8 +94,6 @@ def main() -> None:
             "fp8_torch_quant": functools.partial(fp8_torch_quant, xs, fp8),
             "fp8_gemm": functools.partial(fp8_gemm, xq, fp8),
         }
-        if b == 1:
-            ways["fp8_cvt"] = functools.partial(fp8_cvt, xs, fp8)
         graphs = {name: warm_and_capture(fn, warmups=2)[0] for name, fn in ways.items()}
         times = interleaved_replay_ms(graphs, args.replays)
         med = {name: statistics.median(t) for name, t in times.items()}
@@ -121,7 +103,6 @@ def main() -> None:
             "fp8_over_bf16": med["fp8"] / med["bf16"],
             "fp8_torch_quant_over_bf16": med["fp8_torch_quant"] / med["bf16"],
             "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
-            **({"fp8_over_fp8_cvt": med["fp8"] / med["fp8_cvt"]} if "fp8_cvt" in med else {}),
             "read_gb_s": {
                 name: weight_bytes["bf16" if name == "bf16" else "fp8"] / (ms * 1e6)
                 for name, ms in med.items()
@@ -137,9 +118,6 @@ def main() -> None:
             f"{level['read_gb_s']['bf16']:.0f} GB/s bf16, {level['read_gb_s']['fp8']:.0f} fp8",
             flush=True,
         )
-        if "fp8_cvt" in med:
-            print(f"  e4m3 weights by their bits {med['fp8']:.3f} ms, by cvt {med['fp8_cvt']:.3f}"
-                  f" ms ({level['fp8_over_fp8_cvt']:.3f}x)", flush=True)  # fmt: skip
         del graphs, xs, xq
     args.out.write_text(json.dumps(doc, indent=1))
 

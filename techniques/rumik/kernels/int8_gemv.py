@@ -8,11 +8,10 @@ Contract
 - `int8_linear(x[..., K], q, scale) -> y[..., N]` in x's dtype (bf16/fp16/fp32), for 1..4 rows
   of x (decode). More rows raise ValueError: use a real GEMM there.
 - `q` may also be float8_e4m3fn: the same kernels, each weight converted e4m3 -> fp32
-  exactly (magic: by its bits, see int8_fma._dequant); TMA configs refuse it. With
-  `x_scale` (one row) x is itself e4m3 with that one float32 scale, and
-  y = (x * x_scale) @ (q * scale).T in `out_dtype`: fp8_projections' products at one row,
-  where cuBLASLt's FP8 GEMM reads the weights no faster than bf16
-  (benchmarks/h100/serving/fp8-gemm-kernel-quant.json: 1.01x).
+  exactly (no magic: that trick is int8's); TMA configs refuse it. With `x_scale` (one row)
+  x is itself e4m3 with that one float32 scale, and y = (x * x_scale) @ (q * scale).T in
+  `out_dtype`: fp8_projections' products at one row, where cuBLASLt's FP8 GEMM reads the
+  weights no faster than bf16 (benchmarks/h100/serving/fp8-gemm-kernel-quant.json: 1.01x).
 - Accumulation is fp32; the scale is applied once per output, after the K loop.
 - The launch only reads device memory and never synchronises with the host, so it can be
   captured in a CUDA graph. Split-K launches re-arm their semaphores themselves, so graph
@@ -76,7 +75,7 @@ from ._common import (
     pdl_enabled,
 )
 from .epilogue import split_k_buffers, split_k_plan, store_scaled
-from .int8_fma import E4M3_UNSCALE, _fma
+from .int8_fma import _fma
 
 patch_interpreter_scalars()
 
@@ -240,7 +239,6 @@ def _int8_gemv_kernel(
     xs_ptr=None,
     HAS_RES: tl.constexpr = False,
     res_ptr=None,
-    E4M3_BITS: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -296,8 +294,6 @@ def _int8_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     part = acc if REDUCE_EACH else tl.sum(acc, axis=1)
-    if E4M3_BITS:  # _dequant read e4m3 weights by their bits: each times 2**-120
-        part = part * E4M3_UNSCALE
     if X_SCALED:  # an e4m3 x row's own scale (fp8_projections), beside the weights'
         part = part * tl.load(xs_ptr)
     store_scaled(part, scale_ptr, out_ptr, part_ptr, sem_ptr, offs_n, n_mask,
@@ -464,6 +460,8 @@ def int8_linear(
         raise ValueError(
             "int8_linear: the TMA kernel reads int8 weights and an unscaled x, no residual"
         )
+    if q.dtype == torch.float8_e4m3fn:  # e4m3 -> fp32 is a plain conversion
+        cfg = replace(cfg, magic=False)
     use_pdl = pdl_enabled(launch_pdl, x.device)
     scale = scale.contiguous()
     if m == 1:
@@ -524,7 +522,6 @@ def _launch_gemv(
         xs_ptr=x_scale,
         HAS_RES=residual is not None,
         res_ptr=residual,
-        E4M3_BITS=cfg.magic and q.dtype == torch.float8_e4m3fn,
         **launch_options(use_pdl, cfg.num_warps, cfg.num_stages),
     )
 
