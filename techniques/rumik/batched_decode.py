@@ -298,7 +298,7 @@ class BatchedDecoder:
         dev = self.ids.device
         t = max(len(p) for p in prompts) - 1
         if t > 0:
-            self.write_prompts(torch.tensor(rows, device=dev), prompt_ids(prompts, t, dev))
+            self.write_prompts(self.to_device(rows), prompt_ids(prompts, t, dev))
         self.arm(rows, prompts, seeds, allow_end)
 
     def write_prompts(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
@@ -584,8 +584,10 @@ def glue_refusal(glue: str, attention: str) -> str | None:
 
 
 def prompt_ids(prompts: list[list[int]], t: int, device: torch.device) -> torch.Tensor:
-    """Every prompt but its last token, right-padded with 0 to `t` columns: [n, t]."""
-    return torch.tensor([p[:-1] + [0] * (t + 1 - len(p)) for p in prompts], device=device)
+    """Every prompt but its last token, right-padded with 0 to `t` columns: [n, t] (built on
+    the host, copied without waiting for the device's queued work)."""
+    ids = torch.tensor([p[:-1] + [0] * (t + 1 - len(p)) for p in prompts])
+    return to_device_async(ids, device)
 
 
 def _attention(name: str, model: RumikModel):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from orchestrate.api.device import to_device_async
 from orchestrate.techniques.rumik.batched_decode import BatchedDecoder, prompt_ids
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
@@ -59,7 +60,9 @@ class PromptWriter:
                 continue
             tb = bisect.bisect_left(self.token_buckets, t)
             if not self.padded or tb == len(self.token_buckets):
-                self.dec.write_prompts(torch.tensor(rs, device=dev), prompt_ids(ps, t, dev))
+                self.dec.write_prompts(
+                    to_device_async(torch.tensor(rs), dev), prompt_ids(ps, t, dev)
+                )
                 paths["eager"] = paths.get("eager", 0) + 1
                 continue
             t = self.token_buckets[tb]
@@ -70,12 +73,13 @@ class PromptWriter:
             ids[: len(ps)] = prompt_ids(ps, t, torch.device("cpu"))
             if self.graphs_on:
                 graph, r_in, ids_in = self.graphs.get((nb, t)) or self._capture(nb, t)
-                r_in.copy_(r)
-                ids_in.copy_(ids)
+                # pinned and non-blocking: a pageable copy waits for a pipelined step in flight
+                r_in.copy_(to_device_async(r, dev))
+                ids_in.copy_(to_device_async(ids, dev))
                 graph.replay()
                 paths["graph"] = paths.get("graph", 0) + 1
             else:
-                self.dec.write_prompts(r.to(dev), ids.to(dev))
+                self.dec.write_prompts(to_device_async(r, dev), to_device_async(ids, dev))
                 paths["padded"] = paths.get("padded", 0) + 1
 
     def capture_all(self) -> int:
