@@ -67,8 +67,9 @@ class BatchedDecodeParams(TechniqueParams):
         description="Launch each decode step as soon as the last one's tokens are read "
         "back, so the host's bookkeeping, codec launches and admissions run beside it (the "
         "same tokens; a refilled row starts a step later; needs codec overlap). Measured on "
-        "one H100: 2.5-7% off the mean step, the knee not moved, first audio later "
-        "(README, 'Pipelined steps').",
+        "one H100 (FP8, chunked prefill): a sustained 320 load's window served 500 of 506 "
+        "streams against 54 unpipelined; at 288 both served all, first audio p95 5.6 ms "
+        "later (README, 'Pipelined steps').",
     )
     kv: Literal["model", "fp8"] = Field(
         "model",
