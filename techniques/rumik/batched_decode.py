@@ -194,13 +194,10 @@ class BatchedDecoder:
     def _model_parameters(self) -> list[torch.nn.Parameter]:
         return [*self.model.lm.parameters(), *self.model.stop_head.parameters()]
 
-    def _read_storages(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for t in self._reads()}
-
     def unread_parameters(self) -> list[torch.nn.Parameter]:
         """The model's parameters in storages the step never reads (every parameter of such
         a storage): what a serving run may park off the device (api/parking.py)."""
-        read = self._read_storages()
+        read = _storages(self._reads())
         return [
             p
             for p in self._model_parameters()
@@ -219,7 +216,7 @@ class BatchedDecoder:
             p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
             for p in self._model_parameters()
         }
-        read = self._read_storages()
+        read = _storages(reads)
         copied = [t for t in reads if t.untyped_storage().data_ptr() not in storages]
         return {
             "weights_read": tensor_bytes(*reads),
@@ -581,6 +578,11 @@ def glue_refusal(glue: str, attention: str) -> str | None:
     if glue == "triton" and attention != "triton":
         return "glue 'triton' needs attention 'triton' (a CUDA step of kernels throughout)"
     return None
+
+
+def _storages(tensors: list[torch.Tensor]) -> set[int]:
+    """The storages these tensors are views of, by address."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
 
 def prompt_ids(prompts: list[list[int]], t: int, device: torch.device) -> torch.Tensor:

@@ -60,9 +60,7 @@ class PromptWriter:
                 continue
             tb = bisect.bisect_left(self.token_buckets, t)
             if not self.padded or tb == len(self.token_buckets):
-                self.dec.write_prompts(
-                    to_device_async(torch.tensor(rs), dev), prompt_ids(ps, t, dev)
-                )
+                self.dec.write_prompts(self.dec.to_device(rs), prompt_ids(ps, t, dev))
                 paths["eager"] = paths.get("eager", 0) + 1
                 continue
             t = self.token_buckets[tb]
