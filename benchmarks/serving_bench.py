@@ -298,6 +298,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--attention {args.attention!r}: each one of {', '.join(PATHS)}")
     if "triton" in args.attention.split(",") and not cuda:
         raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
+    if args.sync_sites and not cuda:  # an empty count would read as "none"
+        raise LoadError("--sync-sites counts CUDA synchronisations: it needs --device cuda")
     if not args.codec or any(c not in CODECS for c in args.codec.split(",")):
         raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
     projections = args.projections.split(",")

@@ -651,6 +651,7 @@ def _bench():
         (["--chunk-tokens", "sixty"], "--chunk-tokens 'sixty': each 0 to 1024"),
         (["--pipeline", "yes"], "--pipeline 'yes': off, on or off,on"),
         (["--pipeline", "on"], "--pipeline on needs --codec overlap alone"),
+        (["--sync-sites"], "--sync-sites counts CUDA synchronisations: it needs --device cuda"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
