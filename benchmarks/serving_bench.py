@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrate.api.device import sync_sites
+from orchestrate.api.device import device_activity, kernel_time, sync_sites
 from orchestrate.running.serving import (
     DEFINITIONS,
     Load,
@@ -202,6 +202,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="count the host-device synchronisations torch flags over each of our levels, by "
         "the lines of this repository that made them (host_syncs); timings perturbed",
     )
+    ap.add_argument(
+        "--profile-gpu",
+        default=None,
+        metavar="SKIP:STEPS",
+        help="record the GPU's activity over STEPS decode steps of each of our levels, after "
+        "its first SKIP: busy time per stream and the top kernels (gpu_profile); timings "
+        "of those steps perturbed",
+    )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serving.json")
@@ -300,6 +308,18 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
     if args.sync_sites and not cuda:  # an empty count would read as "none"
         raise LoadError("--sync-sites counts CUDA synchronisations: it needs --device cuda")
+    if args.profile_gpu is not None:
+        if not cuda:  # no activity would read as an idle GPU
+            raise LoadError("--profile-gpu records GPU activity: it needs --device cuda")
+        try:
+            skip, steps = (int(x) for x in args.profile_gpu.split(":"))
+        except ValueError as exc:
+            msg = f"--profile-gpu {args.profile_gpu!r}: SKIP:STEPS, two integers"
+            raise LoadError(msg) from exc
+        if skip < 0 or steps < 1:
+            raise LoadError(f"--profile-gpu {args.profile_gpu!r}: SKIP >= 0 and STEPS >= 1")
+        if args.profile_host:  # one torch.profiler at a time
+            raise LoadError("--profile-gpu and --profile-host: one profiler a run, not both")
     if not args.codec or any(c not in CODECS for c in args.codec.split(",")):
         raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
     projections = args.projections.split(",")
@@ -410,7 +430,7 @@ def run_ours(
     ]
     server.clear()
     trace: list[tuple[float, int]] = []
-    prof = syncs = None
+    prof = syncs = window = None
     with contextlib.ExitStack() as watch:  # each perturbs this level's timings
         if args.profile_host:  # the host's calls by self time
             from torch.profiler import ProfilerActivity, profile
@@ -418,7 +438,11 @@ def run_ours(
             prof = watch.enter_context(profile(activities=[ProfilerActivity.CPU]))
         if args.sync_sites:  # where the host waited for the GPU, by our source line
             syncs = watch.enter_context(sync_sites(Path(__file__).resolve().parents[1]))
-        records, wall = drive(server, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
+        if args.profile_gpu:
+            window = ProfiledSteps(server, *(int(x) for x in args.profile_gpu.split(":")))
+            watch.callback(window.close)
+        driven = window if window is not None else server
+        records, wall = drive(driven, reqs, times, [frames] * len(reqs), limit_s, live_trace=trace)
     st = server.stats
     level = summarise(records, FRAME_S, args.chunk_frames, load, trace)
     level.update(
@@ -439,10 +463,64 @@ def run_ours(
     if prof is not None:
         level["host_profile"] = host_profile(prof)
         level["host_profile_steps"] = st.steps
+    if window is not None:
+        level["gpu_profile"] = window.summary()
     if syncs is not None:
         level["host_syncs"] = dict(syncs.most_common())
         level["host_syncs_steps"] = st.steps
     return level
+
+
+class ProfiledSteps:
+    """A server whose decode steps `skip` to `skip + steps` run under `device_activity`
+    (the level's steady part, not its ramp); everything else passes through."""
+
+    def __init__(self, server: Any, skip: int, steps: int) -> None:
+        self.server, self.skip, self.steps = server, skip, steps
+        self.done = 0
+        self.profiling: contextlib.ExitStack | None = None
+        self.activity: list[tuple[str, int, int, int]] = []
+        self.profiled = 0
+        self.wall_s = 0.0
+        self.started = 0.0
+        self.live: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+    def step(self) -> Any:
+        if self.done == self.skip and self.profiling is None and not self.profiled:
+            self.profiling = contextlib.ExitStack()
+            self.activity = self.profiling.enter_context(device_activity())
+            self.started = time.perf_counter()
+        events = self.server.step()
+        self.done += 1
+        if self.profiling is not None:
+            self.profiled += 1
+            self.live.append(self.server.live())
+            if self.profiled == self.steps:
+                self.close()
+        return events
+
+    def close(self) -> None:
+        if self.profiling is not None:
+            self.profiling.close()  # synchronises: the window ends when its work has
+            self.wall_s = time.perf_counter() - self.started
+            self.profiling = None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"first_step": self.skip, "steps": self.profiled}
+        if not self.profiled:
+            return {**out, "note": f"the level made {self.done} steps: none profiled"}
+        times = kernel_time(self.activity)
+        return {
+            **out,
+            "wall_ms": 1000 * self.wall_s,
+            "live_mean": statistics.fmean(self.live),
+            "busy_fraction": times["busy_ms"] / (1000 * self.wall_s),
+            "busy_ms_per_step": times["busy_ms"] / self.profiled,
+            **times,
+        }
 
 
 def host_profile(prof: Any, top: int = 25) -> list[dict]:
@@ -613,6 +691,15 @@ def main(argv: list[str] | None = None) -> int:
             "(torch.cuda.set_sync_debug_mode), counted by the innermost two frames in this "
             "repository that made them; host_syncs_steps: that level's decode steps. The "
             "warnings' handling perturbs every timing of such a level"
+        )
+    if args.profile_gpu:
+        doc["definitions"]["gpu_profile"] = (
+            "--profile-gpu SKIP:STEPS: every kernel, copy and set the GPU ran (CUPTI, graph "
+            "replays included) over decode steps SKIP to SKIP+STEPS of the level; wall_ms from "
+            "the first profiled step's launch to the window's last work done; busy_ms the union "
+            "of all device intervals (busy_fraction of wall_ms); per stream (CUDA stream id) "
+            "its summed ms and union busy_ms; top: names by summed ms, cut to 120 characters. "
+            "The profiler perturbs the timings of those steps and of the level"
         )
     if args.batch1_vs:  # before any server: its engine is freed before the first cache
         doc["batch1"] = single_stream(model, args.batch1_vs, prompt, frames, sampling, args)
@@ -815,6 +902,21 @@ def brief(level: dict[str, Any]) -> str:
             if (w := level.get("sustained_window"))
             else ""
         )
+        + (gpu_line(g) if (g := level.get("gpu_profile")) else "")
+    )
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    if "note" in g:
+        return f"; gpu profile: {g['note']}"
+    streams = ", ".join(
+        f"stream {s} {v['busy_ms'] / g['steps']:.3g}" for s, v in g["streams"].items()
+    )
+    return (
+        f"; gpu profile over {g['steps']} steps (live mean {g['live_mean']:.3g}): busy "
+        f"{g['busy_ms_per_step']:.3g} ms a step ({100 * g['busy_fraction']:.1f}% of wall), "
+        f"{streams} ms a step; top: "
+        + "; ".join(f"{t['name'][:40]} {t['ms'] / g['steps']:.3g}" for t in g["top"][:6])
     )
 
 

@@ -652,6 +652,7 @@ def _bench():
         (["--pipeline", "yes"], "--pipeline 'yes': off, on or off,on"),
         (["--pipeline", "on"], "--pipeline on needs --codec overlap alone"),
         (["--sync-sites"], "--sync-sites counts CUDA synchronisations: it needs --device cuda"),
+        (["--profile-gpu", "10:5"], "--profile-gpu records GPU activity: it needs --device cuda"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

@@ -25,6 +25,11 @@ keep_graph=True) through cuda-bindings, to cross-check the profiler on a graph.
 
 `sync_sites` counts the host-device synchronisations torch flags while a block runs, by the
 lines of a source tree that made them: where a pipelined host waits for the GPU.
+
+`device_activity` records what the GPU ran while a block runs (each kernel, copy and set:
+name, stream, start, end) and `kernel_time` sums it: busy time overall and per stream, and
+the kernels that took the most of it. Where a step's device time goes when several streams
+share the GPU (a server's decode graph beside its codec).
 """
 
 from __future__ import annotations
@@ -137,6 +142,61 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+@contextlib.contextmanager
+def device_activity() -> Iterator[list[tuple[str, int, int, int]]]:
+    """Yield a list that, after the block, holds (name, stream, start_ns, end_ns) for each
+    kernel, copy and set the GPU ran during it (CUPTI, through torch.profiler; kernels inside
+    a graph replay included). Refused off CUDA: no activity would read as an idle GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("device_activity needs CUDA: a CPU records no device activity")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    out: list[tuple[str, int, int, int]] = []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield out
+        torch.cuda.synchronize()
+    for ev in prof.profiler.kineto_results.events():  # raw events: see count_launches
+        if ev.device_type() == DeviceType.CUDA:
+            out.append((ev.name(), ev.device_resource_id(), ev.start_ns(), ev.end_ns()))
+
+
+def kernel_time(
+    activity: Sequence[tuple[str, int, int, int]], top: int = 25, name_chars: int = 120
+) -> dict[str, Any]:
+    """Sum device activity (device_activity's tuples): `busy_ms`, the union over all streams
+    (time anything ran); per stream its summed and union milliseconds; and the `top` names
+    by summed milliseconds, with their calls and streams. Names are cut to `name_chars`
+    (template-heavy GEMM names run to thousands)."""
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    by_name: dict[str, list[float]] = {}
+    streams_of: dict[str, set[int]] = {}
+    for name, stream, start, end in activity:
+        by_stream.setdefault(stream, []).append((start / 1e3, end / 1e3))
+        key = name[:name_chars]
+        by_name.setdefault(key, []).append((end - start) / 1e6)
+        streams_of.setdefault(key, set()).add(stream)
+    every = [iv for ivs in by_stream.values() for iv in ivs]
+    ranked = sorted(by_name.items(), key=lambda kv: sum(kv[1]), reverse=True)
+    return {
+        "busy_ms": union_us(every) / 1e3,
+        "span_ms": (max(b for _, b in every) - min(a for a, _ in every)) / 1e3 if every else 0.0,
+        "streams": {
+            str(s): {
+                "ms": sum(b - a for a, b in ivs) / 1e3,
+                "busy_ms": union_us(ivs) / 1e3,
+                "events": len(ivs),
+            }
+            for s, ivs in sorted(by_stream.items())
+        },
+        "top": [
+            {"name": k, "calls": len(v), "ms": sum(v), "streams": sorted(streams_of[k])}
+            for k, v in ranked[:top]
+        ],
+    }
 
 
 def per_step(

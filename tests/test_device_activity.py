@@ -1,0 +1,151 @@
+"""Where a serving step's device time goes: api.device.kernel_time sums the GPU's activity
+(busy time overall and per stream, the top kernels), and serving_bench --profile-gpu records
+it over a window of a level's steps."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrate.api.device import device_activity, kernel_time
+
+MS = 1_000_000  # ns
+
+
+def test_busy_time_is_the_union_and_each_stream_is_summed_apart():
+    activity = [
+        ("gemm", 7, 0, 4 * MS),  # the decode stream: two kernels back to back
+        ("attention", 7, 4 * MS, 6 * MS),
+        ("codec_conv", 9, 3 * MS, 8 * MS),  # the codec stream, overlapping both
+        ("gemm", 7, 10 * MS, 14 * MS),  # a gap 8..10: nothing ran
+    ]
+    t = kernel_time(activity)
+    assert t["busy_ms"] == pytest.approx(12.0)  # 0..8 and 10..14
+    assert t["span_ms"] == pytest.approx(14.0)
+    assert t["streams"] == {
+        "7": {"ms": pytest.approx(10.0), "busy_ms": pytest.approx(10.0), "events": 3},
+        "9": {"ms": pytest.approx(5.0), "busy_ms": pytest.approx(5.0), "events": 1},
+    }
+    assert [(k["name"], k["calls"], k["ms"], k["streams"]) for k in t["top"]] == [
+        ("gemm", 2, pytest.approx(8.0), [7]),
+        ("codec_conv", 1, pytest.approx(5.0), [9]),
+        ("attention", 1, pytest.approx(2.0), [7]),
+    ]
+
+
+def test_long_names_are_cut_and_merged_and_top_is_bounded():
+    activity = [("x" * 300 + "A", 1, 0, MS), ("x" * 300 + "B", 2, MS, 3 * MS), ("y", 1, 0, MS)]
+    t = kernel_time(activity, top=1, name_chars=50)
+    assert t["top"] == [{"name": "x" * 50, "calls": 2, "ms": pytest.approx(3.0), "streams": [1, 2]}]
+    assert kernel_time([]) == {"busy_ms": 0.0, "span_ms": 0.0, "streams": {}, "top": []}
+
+
+def test_device_activity_refuses_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs CUDA"), device_activity():
+        pass
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
+    spec = importlib.util.spec_from_file_location("serving_bench_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.stats = "the server's own"
+
+    def step(self) -> list[str]:
+        self.steps += 1
+        return [f"events of step {self.steps}"]
+
+    def live(self) -> int:
+        return 10 + self.steps
+
+
+def _fake_activity(server: _Server):
+    """One 0.5 ms kernel on stream 3 for each step taken while the block runs."""
+
+    @contextlib.contextmanager
+    def activity() -> Iterator[list[tuple[str, int, int, int]]]:
+        out: list[tuple[str, int, int, int]] = []
+        first = server.steps
+        yield out
+        out.extend(("step", 3, i * MS, i * MS + MS // 2) for i in range(first, server.steps))
+
+    return activity
+
+
+def test_only_the_window_of_steps_is_profiled(monkeypatch: pytest.MonkeyPatch):
+    bench, server = _bench(), _Server()
+    monkeypatch.setattr(bench, "device_activity", _fake_activity(server))
+    window = bench.ProfiledSteps(server, skip=3, steps=4)
+    assert [window.step() for _ in range(10)][5] == ["events of step 6"]  # passed through
+    assert window.stats == "the server's own"
+    window.close()  # a second close (the level's end) changes nothing
+    g = window.summary()
+    assert (g["first_step"], g["steps"]) == (3, 4)
+    assert g["busy_ms"] == pytest.approx(2.0) and g["busy_ms_per_step"] == pytest.approx(0.5)
+    assert g["live_mean"] == pytest.approx((14 + 15 + 16 + 17) / 4)  # after steps 4 to 7
+    assert g["streams"]["3"]["events"] == 4 and g["busy_fraction"] > 0
+
+
+def test_a_level_shorter_than_the_skip_says_nothing_was_profiled(monkeypatch):
+    bench, server = _bench(), _Server()
+    monkeypatch.setattr(bench, "device_activity", _fake_activity(server))
+    window = bench.ProfiledSteps(server, skip=50, steps=10)
+    for _ in range(20):
+        window.step()
+    window.close()
+    assert window.summary() == {
+        "first_step": 50,
+        "steps": 0,
+        "note": "the level made 20 steps: none profiled",
+    }
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("ten", "SKIP:STEPS, two integers"),
+        ("5", "SKIP:STEPS, two integers"),
+        ("5:0", "SKIP >= 0 and STEPS >= 1"),
+    ],
+)
+def test_a_malformed_window_is_refused(value: str, message: str):
+    bench = _bench()
+    args = bench.parse(["--device", "cuda", "--profile-gpu", value])
+    with pytest.raises(bench.LoadError, match=message):
+        bench.plan(args)
+
+
+def test_one_profiler_a_run():
+    bench = _bench()
+    args = bench.parse(["--device", "cuda", "--profile-gpu", "1:2", "--profile-host"])
+    with pytest.raises(bench.LoadError, match="one profiler a run"):
+        bench.plan(args)
+
+
+@pytest.mark.gpu
+def test_kernels_on_two_streams_are_recorded_apart():
+    x = torch.randn(2048, 2048, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x is written on the default stream
+    with device_activity() as activity:
+        y = x @ x
+        with torch.cuda.stream(side):
+            z = x @ x
+    torch.cuda.synchronize()
+    assert torch.equal(y, z)
+    t = kernel_time(activity)
+    assert len(t["streams"]) == 2 and t["busy_ms"] > 0
+    assert t["busy_ms"] <= sum(s["ms"] for s in t["streams"].values()) + 1e-9
