@@ -483,7 +483,7 @@ class ProfiledSteps:
         self.profiled = 0
         self.wall_s = 0.0
         self.started = 0.0
-        self.live: list[int] = []
+        self.live_seen: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.server, name)
@@ -497,7 +497,7 @@ class ProfiledSteps:
         self.done += 1
         if self.profiling is not None:
             self.profiled += 1
-            self.live.append(self.server.live())
+            self.live_seen.append(self.server.live())
             if self.profiled == self.steps:
                 self.close()
         return events
@@ -516,7 +516,7 @@ class ProfiledSteps:
         return {
             **out,
             "wall_ms": 1000 * self.wall_s,
-            "live_mean": statistics.fmean(self.live),
+            "live_mean": statistics.fmean(self.live_seen),
             "busy_fraction": times["busy_ms"] / (1000 * self.wall_s),
             "busy_ms_per_step": times["busy_ms"] / self.profiled,
             **times,

@@ -91,6 +91,7 @@ def test_only_the_window_of_steps_is_profiled(monkeypatch: pytest.MonkeyPatch):
     window = bench.ProfiledSteps(server, skip=3, steps=4)
     assert [window.step() for _ in range(10)][5] == ["events of step 6"]  # passed through
     assert window.stats == "the server's own"
+    assert window.live() == server.live()  # the driver asks the window what it asks a server
     window.close()  # a second close (the level's end) changes nothing
     g = window.summary()
     assert (g["first_step"], g["steps"]) == (3, 4)
