@@ -126,3 +126,41 @@ def test_an_unknown_kv_layout_is_refused():
 def test_a_padding_it_cannot_stream_is_refused():
     with pytest.raises(StreamRefused, match="pad_mode 'reflect'"):
         MimiStream(codec(**{**TINY.mimi, "pad_mode": "reflect"}), rows=1)
+
+
+@pytest.mark.parametrize(
+    "b, c, t, k, stride",
+    [(3, 8, 1, 4, 2), (2, 5, 7, 4, 2), (1, 3, 4, 3, 2), (2, 4, 3, 6, 3), (2, 4, 5, 2, 2)],
+)
+def test_the_depthwise_transposed_convolution_is_torchs(b, c, t, k, stride):
+    """Mimi's upsample (groups = channels) as multiply-adds into strided slices: the same
+    output as torch's grouped transposed convolution, overlapping kernels (k > stride), a
+    kernel not a multiple of the stride, and none overlapping (k = stride) included."""
+    from torch.nn import functional as F
+
+    from orchestrate.families.rumik.mimi_stream import depthwise_transposed
+
+    torch.manual_seed(k * 10 + t)
+    x, w = torch.randn(b, c, t), torch.randn(c, 1, k)
+    want = F.conv_transpose1d(x, w, None, stride, 0, 0, c, 1)
+    got = depthwise_transposed(x, w, stride)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_the_stream_upsamples_without_a_grouped_transposed_convolution(monkeypatch):
+    """The streamed decode takes the multiply-add path for Mimi's depthwise upsample (cuDNN's
+    grouped engine is slow on a GPU) and torch's for SEANet's ungrouped ones."""
+    import orchestrate.families.rumik.mimi_stream as ms
+
+    groups: list[int] = []
+    real = ms.F.conv_transpose1d
+
+    def spy(x, w, bias, stride, padding, output_padding, g, dilation):
+        groups.append(g)
+        return real(x, w, bias, stride, padding, output_padding, g, dilation)
+
+    monkeypatch.setattr(ms.F, "conv_transpose1d", spy)
+    model = codec(**TINY.mimi)
+    codes = torch.randint(0, model.config.codebook_size, (2, model.config.num_quantizers, 3))
+    MimiStream(model, rows=2).decode(torch.tensor([0, 1]), codes)
+    assert groups and set(groups) == {1}  # SEANet's, ungrouped; the upsample went the other way

@@ -55,6 +55,22 @@ def decoder_parts(codec: Any) -> tuple[nn.Module | None, nn.Module, nn.Module]:
     raise StreamRefused(f"{type(codec).__name__}: no Mimi decoder layout this module knows")
 
 
+def depthwise_transposed(x: torch.Tensor, weight: torch.Tensor, stride: int) -> torch.Tensor:
+    """conv_transpose1d of x [b, C, t] by a depthwise weight [C, 1, k] (groups = C; no bias,
+    padding or dilation), as k multiply-adds of x into strided slices of the output: sample
+    stride * i + j gets x[i] * w[j]. cuDNN runs the grouped transposed convolution as a
+    generic engine (Mimi's upsample: 1.9 ms a call for ~30 rows of one frame on an H100,
+    benchmarks/h100/serving/serving-gpu-profile.json); this is a handful of tiny kernels.
+    The same products; where two overlap, summed in ascending j (cuDNN's order may differ:
+    float rounding apart)."""
+    b, c, t = x.shape
+    k = weight.shape[-1]
+    y = x.new_zeros(b, c, (t - 1) * stride + k)
+    for j in range(k):
+        y[..., j : j + (t - 1) * stride + 1 : stride].addcmul_(x, weight[:, 0, j, None])
+    return y
+
+
 def _kind(module: nn.Module) -> str:
     return type(module).__name__
 
@@ -161,9 +177,12 @@ class MimiStream:
 
     def _transposed(self, conv: nn.Module, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         inner: nn.ConvTranspose1d = conv.conv
-        y = F.conv_transpose1d(
-            x, inner.weight, None, inner.stride, 0, 0, inner.groups, inner.dilation
-        )
+        if inner.groups == inner.in_channels == inner.out_channels and inner.dilation[0] == 1:
+            y = depthwise_transposed(x, inner.weight, inner.stride[0])
+        else:
+            y = F.conv_transpose1d(
+                x, inner.weight, None, inner.stride, 0, 0, inner.groups, inner.dilation
+            )
         buf = self.state[id(conv)]
         tail = buf.shape[-1]
         if tail:
