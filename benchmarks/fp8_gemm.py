@@ -9,8 +9,15 @@ projections (q,k,v,gate,up packed; o; down), four ways:
               fp8_projections ran before the kernel)
   fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
               share: what a quantization fused into the producing kernel would leave)
+  fp8_triton: the same operands through kernels/fp8_gemm.py (its tile per shape from
+              `config_for`), against fp8_gemm in the same replays
 
     python benchmarks/fp8_gemm.py --rows 1,64,256,512 --out fp8-gemm.json
+    python benchmarks/fp8_gemm.py --sweep --rows 16,64,128,256,384,512 --out sweep.json
+
+`--sweep` times, per row count and per projection shape (36 distinct weights of it in one
+graph), cuBLASLt against every candidate tile of the Triton kernel and `config_for`'s
+choice, all interleaved: the table `config_for` is written from.
 
 Per row count, each way runs its 108 projections (3 per layer, distinct weights) in one CUDA
 graph; the graphs replay interleaved, each replay timed by CUDA events. The JSON gives each
@@ -34,6 +41,8 @@ from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_linear, quantize_rows
+from orchestrate.techniques.rumik.kernels.fp8_gemm import GemmConfig, config_for
+from orchestrate.techniques.rumik.kernels.fp8_gemm import fp8_gemm as triton_gemm
 
 LAYERS, HIDDEN, QKVGU, INTER = 36, 2048, 25_088, 11_008
 # (input features, output features) of each layer's three projections
@@ -61,10 +70,74 @@ def fp8_gemm(xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weigh
         torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale, out_dtype=torch.bfloat16)
 
 
+def fp8_triton(
+    xq: list[tuple[torch.Tensor, torch.Tensor]],
+    weights: list[Fp8Weight],
+    config: GemmConfig | None = None,
+) -> None:
+    for (q, s), w in zip(xq, weights, strict=True):
+        triton_gemm(q, s, w.q, w.scale, config)
+
+
+def candidates(rows: int, n: int, k: int) -> list[GemmConfig]:
+    """Tiles worth timing for one shape: row blocks up to the rows, and split-K only for
+    the narrow outputs (K slices of at least 2 blocks)."""
+    out = []
+    for bm in (16, 32, 64, 128):
+        if bm > max(16, rows * 2):
+            continue
+        for bn in (32, 64, 128, 256) if n <= 4096 else (64, 128, 256):
+            for split in (1, 2, 4, 8) if n <= 4096 else (1,):
+                if k // (128 * split) < 2 or bm * bn > 128 * 256:
+                    continue
+                warps = 4 if bm * bn <= 64 * 64 else 8
+                out.append(GemmConfig(bm, bn, 128, split, warps, 4))
+    return out
+
+
+def sweep(args: argparse.Namespace, fp8: list[Fp8Weight], doc: dict) -> None:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    for b in (int(r) for r in args.rows.split(",")):
+        for i, (k, n) in enumerate(SHAPES):
+            ws = fp8[i :: len(SHAPES)]  # this shape's 36 weights
+            xq = [quantize_rows(torch.randn(b, k, device=dev, dtype=dt)) for _ in ws]
+            ways = {"cublas": functools.partial(fp8_gemm, xq, ws)}
+            ways["config_for"] = functools.partial(fp8_triton, xq, ws, None)
+            for cfg in candidates(b, n, k):
+                ways[cfg.label()] = functools.partial(fp8_triton, xq, ws, cfg)
+            graphs, failed = {}, {}
+            for name, fn in ways.items():
+                try:
+                    graphs[name] = warm_and_capture(fn, warmups=2)[0]
+                except Exception as exc:  # a tile that does not fit: recorded, not fatal
+                    failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            times = interleaved_replay_ms(graphs, args.replays)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            tiles = {k2: v for k2, v in med.items() if k2 not in ("cublas", "config_for")}
+            best = min(tiles, key=tiles.__getitem__)
+            level = {
+                "rows": b, "k": k, "n": n, "median_ms_36": med, "failed": failed,
+                "best": best, "best_over_cublas": med[best] / med["cublas"],
+                "config_for": config_for(b, n, k).label(),
+                "config_for_over_cublas": med["config_for"] / med["cublas"],
+            }  # fmt: skip
+            doc["sweep"].append(level)
+            print(
+                f"rows {b:4d} k {k:5d} n {n:5d}: cublas {med['cublas']:.3f} ms, best {best} "
+                f"{med[best]:.3f} ({level['best_over_cublas']:.3f}x), config_for "
+                f"{level['config_for']} {med['config_for']:.3f} "
+                f"({level['config_for_over_cublas']:.3f}x), {len(failed)} failed",
+                flush=True,
+            )
+            del graphs, xq
+        args.out.write_text(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,64,256,512")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tile per shape")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -83,7 +156,12 @@ def main() -> None:
         "layers": LAYERS,
         "weight_bytes": weight_bytes,
         "levels": [],
+        "sweep": [],
     }
+    if args.sweep:
+        del weights
+        sweep(args, fp8, doc)
+        return
     for b in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(b, w.shape[1], device=dev, dtype=dt) for w in weights]
         xq = [quantize_rows(x) for x in xs]
@@ -94,6 +172,8 @@ def main() -> None:
             "fp8_torch_quant": functools.partial(fp8_torch_quant, xs, fp8),
             "fp8_gemm": functools.partial(fp8_gemm, xq, fp8),
         }
+        if b > 1:  # one row: the GEMV's
+            ways["fp8_triton"] = functools.partial(fp8_triton, xq, fp8)
         graphs = {name: warm_and_capture(fn, warmups=2)[0] for name, fn in ways.items()}
         times = interleaved_replay_ms(graphs, args.replays)
         med = {name: statistics.median(t) for name, t in times.items()}
@@ -103,6 +183,7 @@ def main() -> None:
             "fp8_over_bf16": med["fp8"] / med["bf16"],
             "fp8_torch_quant_over_bf16": med["fp8_torch_quant"] / med["bf16"],
             "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
+            "fp8_triton_over_fp8_gemm": med["fp8_triton"] / med["fp8_gemm"] if b > 1 else None,
             "read_gb_s": {
                 name: weight_bytes["bf16" if name == "bf16" else "fp8"] / (ms * 1e6)
                 for name, ms in med.items()
@@ -115,7 +196,13 @@ def main() -> None:
             f"({level['fp8_over_bf16']:.3f}x; torch's quantization "
             f"{level['fp8_torch_quant_over_bf16']:.3f}x), fp8 GEMM alone {med['fp8_gemm']:.3f} ms "
             f"({level['fp8_gemm_over_bf16']:.3f}x); weights read at "
-            f"{level['read_gb_s']['bf16']:.0f} GB/s bf16, {level['read_gb_s']['fp8']:.0f} fp8",
+            f"{level['read_gb_s']['bf16']:.0f} GB/s bf16, {level['read_gb_s']['fp8']:.0f} fp8"
+            + (
+                f"; triton GEMM {med['fp8_triton']:.3f} ms "
+                f"({level['fp8_triton_over_fp8_gemm']:.3f}x cuBLASLt)"
+                if b > 1
+                else ""
+            ),
             flush=True,
         )
         del graphs, xs, xq

@@ -67,9 +67,10 @@ with _interpreter(not CUDA and IN_PROCESS):
     if IN_PROCESS:
         # the shared epilogue first: the GEMVs import its kernel function when they load
         # fp8_rows before rope_norm and swiglu, which import its row quantizer
-        ep, fq, gemv, attn, battn, samp, rn, g6, sw, fg, ra = (_load(n) for n in ("epilogue",
-            "fp8_rows", "int8_gemv", "decode_attention", "batched_attention", "sampler",
-            "rope_norm", "int6_gemv", "swiglu", "fused_gemv", "ring_attention"))  # fmt: skip
+        ep, fq, gemv, attn, battn, samp, rn, g6, sw, fg, ra, f8g = (_load(n) for n in (
+            "epilogue", "fp8_rows", "int8_gemv", "decode_attention", "batched_attention",
+            "sampler", "rope_norm", "int6_gemv", "swiglu", "fused_gemv", "ring_attention",
+            "fp8_gemm"))  # fmt: skip
         qkr = _load("qk_norm_rope", "orchestrate.techniques.omnivoice.kernels.")
         sg = _load("small_gemm", "orchestrate.techniques.omnivoice.kernels.")
     else:  # only the subprocess test below runs; names still needed at collection
@@ -1085,6 +1086,46 @@ def test_kernel_glue_quantizes_fp8_projections_inputs_in_its_norm_and_swiglu(
     for (a, ia), (c, ic) in zip(logits["torch"], logits["triton"], strict=True):
         assert torch.equal(ia, ic)
         assert (F.cosine_similarity(a, c, dim=-1) > (0.999 if CUDA else 0.95)).all()
+
+
+@pytest.mark.parametrize(
+    "m, n, k, split",
+    [(5, 48, 96, 1), (20, 40, 256, 2), (3, 64, 160, 3)],
+    ids=["one-pass", "split-2-row-and-column-edges", "split-3-uneven-slices"],
+)
+def test_fp8_gemm_is_the_scaled_product_of_its_e4m3_operands(m, n, k, split) -> None:
+    """kernels/fp8_gemm.py against the product of the dequantized operands (what
+    _scaled_mm computes) in float32: within bf16 rounding of each output (the interpreter
+    truncates: one bf16 step; the GPU rounds: half of one). Rows and columns past a
+    block's edge, and K slices that do not divide evenly, included."""
+    from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, quantize_rows
+
+    xq, xs = quantize_rows(randn(m, k) * torch.linspace(0.1, 10, m, device=DEVICE)[:, None])
+    w = Fp8Weight.of(randn(n, k) * 0.05)
+    want = (xq.float() * xs) @ (w.q.float() * w.scale.t()).t()
+    got = f8g.fp8_gemm(xq, xs, w.q, w.scale, f8g.GemmConfig(16, 32, 32, split, 4, 2))
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    err = (got.float() - want).abs()
+    assert (err <= 2**-7 * want.abs() + 1e-4 * want.abs().max()).all()
+    # the scales matter: the same operands with the weights' scales left out are far off
+    unscaled = f8g.fp8_gemm(xq, xs, w.q, torch.ones_like(w.scale), f8g.GemmConfig(16, 32, 32))
+    assert not torch.allclose(unscaled.float(), want, rtol=0.1)
+
+
+def test_fp8_gemm_refuses_what_it_does_not_compute() -> None:
+    from orchestrate.techniques.rumik.fp8_projections import quantize_rows
+
+    xq, xs = quantize_rows(randn(4, 64))
+    wq, ws = quantize_rows(randn(32, 64))
+    ws = ws.t().contiguous()
+    with pytest.raises(ValueError, match="e4m3 operands"):
+        f8g.fp8_gemm(xq.float(), xs, wq, ws)
+    with pytest.raises(ValueError, match=r"\[M, K\] x \[N, K\]"):
+        f8g.fp8_gemm(xq, xs, wq[:, :32].contiguous(), ws)
+    with pytest.raises(ValueError, match="contiguous scales"):
+        f8g.fp8_gemm(xq, xs, wq, torch.cat([ws, ws]).t().reshape(1, -1)[:, ::2])  # strided
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        f8g.fp8_gemm(xq[:, :40].contiguous(), xs, wq[:, :40].contiguous(), ws)
 
 
 @pytest.mark.parametrize("width", [2048, 11008])
