@@ -61,7 +61,8 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 CPU_LEVELS, GPU_LEVELS = "1,2,4", "1,32,128,256,384,512,640"
 PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it records
 CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
-PROJECTIONS = ("bf16", "fp8")  # --projections: fp8's paths are suffixed _fp8 (APPROXIMATE)
+# --projections: fp8's paths are suffixed _fp8, fp8_triton's _fp8t (both APPROXIMATE)
+PROJECTIONS = {"bf16": "", "fp8": "_fp8", "fp8_triton": "_fp8t"}
 KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXIMATE)
 GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact up to rounding)
 
@@ -75,7 +76,7 @@ def path_name(
     chunk: int = 0,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
-    fp8 = ("_fp8" if projections == "fp8" else "") + ("_kv8" if kv == "fp8" else "")
+    fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
     return PATHS[attention] + overlap + fp8 + ("_glue" if glue == "triton" else "") + chunked
 
@@ -325,7 +326,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
     projections = args.projections.split(",")
     if not args.projections or any(p not in PROJECTIONS for p in projections):
         raise LoadError(f"--projections {args.projections!r}: each one of {', '.join(PROJECTIONS)}")
-    if "fp8" in projections and cuda and not hopper(args.device):  # the CPU emulates it
+    fp8_on_cuda = cuda and any(p.startswith("fp8") for p in projections)
+    if fp8_on_cuda and not hopper(args.device):  # the CPU emulates it
         raise LoadError("--projections fp8 on CUDA needs a Hopper GPU (sm_90: FP8 GEMM)")
     kvs = args.kv.split(",")
     if not args.kv or any(k not in KVS for k in kvs):
@@ -639,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 "vector per kv head with its own float32 scale (batched_decode kv: fp8)",
                 "fp8": "APPROXIMATE: techniques/rumik/fp8_projections.py, e4m3 weights with "
                 "a scale per output channel, activations per row, torch._scaled_mm",
+                "fp8_triton": "APPROXIMATE: fp8's weights and rows, two or more rows "
+                "multiplied by kernels/fp8_gemm.py (fp8_projections gemm: triton)",
             },
             "glue": {
                 "torch": "eager ops between the projections and attention (fp32 LayerNorm "
@@ -717,7 +721,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for which, (attention, codec, proj, kv, glue, chunk, pipe) in enumerate(runs):  # in turn
         path = path_name(attention, codec, proj, kv, glue, chunk) + ("_pipe" if pipe else "")
-        fp8 = Fp8Packed(model) if proj == "fp8" else None
+        fp8 = None
+        if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
+            fp8 = Fp8Packed(model, gemm="triton" if proj == "fp8_triton" else "cublas")
         vs_exact = None
         if fp8 is not None or kv == "fp8":
             vs_exact = divergence(model, prompt, sampling, attention, fp8, kv, glue)

@@ -179,6 +179,20 @@ def test_fp8_projections_is_refused_where_nothing_would_read_it_and_on_the_cpu()
         build_stack(fp8_stack("batched_decode", "fp8_projections"), ampere, strict=True)
 
 
+def test_the_gemm_is_a_param_and_an_unknown_one_is_refused(model):
+    """`gemm: triton` reaches the projections the server reads; a name neither GEMM has
+    fails when the stack is built, and when the projections are made by hand."""
+    stack = fp8_stack("batched_decode", "fp8_projections")
+    stack.techniques[1] = TechniqueRef(name="fp8_projections", params={"gemm": "triton"})
+    engine = FAMILY.build_engine(model, build_stack(stack))
+    assert engine.server(engine, 64, GREEDY, 1, rows=2).dec.proj.gemm == "triton"
+    stack.techniques[1] = TechniqueRef(name="fp8_projections", params={"gemm": "cutlass"})
+    with pytest.raises(StackError, match="gemm"):
+        build_stack(stack)
+    with pytest.raises(ValueError, match="fp8 gemm 'cutlass': one of cublas, triton"):
+        Fp8Packed(model, gemm="cutlass")  # type: ignore[arg-type]
+
+
 def test_the_batched_server_reads_the_fp8_slot(model):
     """The stack applied (requirements unchecked, so the CPU emulates): the engine's server
     steps through the FP8 projections, not its own bf16 ones."""

@@ -1,6 +1,7 @@
 """FP8 projections for batched serving (APPROXIMATE): e4m3 weights with one scale per output
 channel, each activation row quantized with its own scale as it arrives, and cuBLASLt's FP8
-GEMM (torch._scaled_mm, row-wise scales) producing bf16.
+GEMM (torch._scaled_mm, row-wise scales) producing bf16, or (`gemm: triton`) the same
+products through kernels/fp8_gemm.py, whose tiles fit a serving step's row counts.
 
 Why: at serving batch sizes the projections are bound by the tensor cores, not by reading
 weights (issue 34: the 36 layers' bf16 projections take 4.1 ms at 512 rows on the H200, 708
@@ -27,6 +28,7 @@ order than cuBLASLt's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -36,6 +38,8 @@ from orchestrate.families.rumik.model import RumikModel, input_projections, pack
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, beyond it is NaN
+GEMMS = ("cublas", "triton")  # who multiplies two or more rows on CUDA
+Gemm = Literal["cublas", "triton"]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +78,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_matmul(
-    xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, emulate: bool, dtype: torch.dtype
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: Fp8Weight,
+    emulate: bool,
+    dtype: torch.dtype,
+    gemm: Gemm = "cublas",
 ) -> torch.Tensor:
     """Quantized rows xq [m, k] (scales xs [m, 1]) @ w.T -> [m, n] in `dtype`."""
     if emulate:
@@ -83,16 +92,20 @@ def fp8_matmul(
         from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
         y = int8_linear(xq, w.q, w.scale, x_scale=xs, out_dtype=torch.bfloat16)
+    elif gemm == "triton":
+        from orchestrate.techniques.rumik.kernels.fp8_gemm import fp8_gemm
+
+        y = fp8_gemm(xq, xs, w.q, w.scale)
     else:  # row-wise scales need bf16 output; a bf16 model is what the GPU serves
         y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=torch.bfloat16)
     return y.to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool, gemm: Gemm = "cublas") -> torch.Tensor:
     """x [..., k] @ w.T in FP8 -> [..., n] in x's dtype."""
     lead = x.shape[:-1]
     xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
-    return fp8_matmul(xq, xs, w, emulate, x.dtype).view(*lead, -1)
+    return fp8_matmul(xq, xs, w, emulate, x.dtype, gemm).view(*lead, -1)
 
 
 class Fp8Packed(Projections):
@@ -106,7 +119,10 @@ class Fp8Packed(Projections):
     residual_epilogue = True
 
     @torch.no_grad()
-    def __init__(self, model: RumikModel, emulate: bool | None = None):
+    def __init__(self, model: RumikModel, emulate: bool | None = None, gemm: Gemm = "cublas"):
+        if gemm not in GEMMS:
+            raise ValueError(f"fp8 gemm {gemm!r}: one of {', '.join(GEMMS)}")
+        self.gemm = gemm
         self.emulate = model.device.type != "cuda" if emulate is None else emulate
         if not self.emulate and model.lm.dtype != torch.bfloat16:
             have = model.lm.dtype
@@ -130,14 +146,15 @@ class Fp8Packed(Projections):
         return tensor_bytes(*self.tensors())
 
     def qkvgu(self, i: int, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(fp8_linear(xn, self.w_in[i], self.emulate).split(self.sizes, dim=-1))
+        y = fp8_linear(xn, self.w_in[i], self.emulate, self.gemm)
+        return tuple(y.split(self.sizes, dim=-1))
 
     def qkvgu_rows(
         self, i: int, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, ...]:
         """`qkvgu` of the normed rows already quantized (xq [m, H] e4m3, xs [m, 1]): what
         qkvgu computes from the norm, its quantization done by the norm's kernel."""
-        y = fp8_matmul(xq, xs, self.w_in[i], self.emulate, dtype)
+        y = fp8_matmul(xq, xs, self.w_in[i], self.emulate, dtype, self.gemm)
         return tuple(y.split(self.sizes, dim=-1))
 
     def residual_rows(
@@ -155,13 +172,13 @@ class Fp8Packed(Projections):
             h = int8_linear(oq, w_o.q, w_o.scale, x_scale=o_s, residual=x.reshape(-1))
             y = int8_linear(aq, w_down.q, w_down.scale, x_scale=a_s, residual=h.reshape(-1))
             return y.view(x.shape)
-        o = fp8_linear(attn, self.w_o[i], self.emulate)
-        return x + (o + fp8_matmul(aq, a_s, self.w_down[i], self.emulate, x.dtype))
+        o = fp8_linear(attn, self.w_o[i], self.emulate, self.gemm)
+        return x + (o + fp8_matmul(aq, a_s, self.w_down[i], self.emulate, x.dtype, self.gemm))
 
     def output(self, i: int, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """o_proj(attn) + down_proj(act), without the residual."""
-        o = fp8_linear(attn, self.w_o[i], self.emulate)
-        return o + fp8_linear(act, self.w_down[i], self.emulate)
+        o = fp8_linear(attn, self.w_o[i], self.emulate, self.gemm)
+        return o + fp8_linear(act, self.w_down[i], self.emulate, self.gemm)
 
     def residual(
         self, i: int, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor
@@ -170,11 +187,14 @@ class Fp8Packed(Projections):
 
 
 class Fp8ProjectionsParams(TechniqueParams):
-    pass
+    # two or more rows on CUDA: cuBLASLt's FP8 GEMM, or kernels/fp8_gemm.py (the same
+    # products, its tile per row count: benchmarks/fp8_gemm.py times both)
+    gemm: Gemm = "cublas"
 
 
 class Fp8Projections(Technique):
     name = "fp8_projections"
+    version = 2  # 2: `gemm`
     family = "rumik"
     exact = False  # every weight and activation rounded to e4m3 under its row's scale
     slots = ("projections",)
@@ -187,4 +207,5 @@ class Fp8Projections(Technique):
     Params = Fp8ProjectionsParams
 
     def apply(self, engine: Engine) -> None:
-        engine.projections = Fp8Packed(engine.model)  # type: ignore[attr-defined]
+        p: Fp8ProjectionsParams = self.params  # type: ignore[assignment]
+        engine.projections = Fp8Packed(engine.model, gemm=p.gemm)  # type: ignore[attr-defined]
