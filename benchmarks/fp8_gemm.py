@@ -9,8 +9,12 @@ projections (q,k,v,gate,up packed; o; down), four ways:
               fp8_projections ran before the kernel)
   fp8_gemm:   torch._scaled_mm alone over activations quantized beforehand (the GEMM's
               share: what a quantization fused into the producing kernel would leave)
-  fp8_triton: the same operands through kernels/fp8_gemm.py (its tile per shape from
-              `config_for`), against fp8_gemm in the same replays
+  fp8_triton: the same operands as fp8_projections' `gemm: triton` multiplies them:
+              kernels/fp8_gemm.py where its table has a tile, cuBLASLt elsewhere
+  fp8_triton_fast: the same with the tensor cores' own accumulation over all of K
+              (Triton's default on sm_90; cuBLASLt's use_fast_accum), for its cost
+Each row count also records each FP8 way's largest error against the float32 product of the
+dequantized operands (relative to the largest |value|): fp8_gemm's is cuBLASLt's.
 
     python benchmarks/fp8_gemm.py --rows 1,64,256,512 --out fp8-gemm.json
     python benchmarks/fp8_gemm.py --sweep --rows 16,64,128,256,384,512 --out sweep.json
@@ -32,6 +36,7 @@ import argparse
 import functools
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,11 +45,17 @@ import torch.nn.functional as F
 from orchestrate.api.device import interleaved_replay_ms
 from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
-from orchestrate.techniques.rumik.fp8_projections import Fp8Weight, fp8_linear, quantize_rows
+from orchestrate.techniques.rumik.fp8_projections import (
+    Fp8Weight,
+    fp8_linear,
+    fp8_matmul,
+    quantize_rows,
+)
 from orchestrate.techniques.rumik.kernels.fp8_gemm import GemmConfig, config_for
 from orchestrate.techniques.rumik.kernels.fp8_gemm import fp8_gemm as triton_gemm
 
 LAYERS, HIDDEN, QKVGU, INTER = 36, 2048, 25_088, 11_008
+ERROR_WAYS = ("fp8_gemm", "fp8_triton", "fp8_triton_fast")
 # (input features, output features) of each layer's three projections
 SHAPES = ((HIDDEN, QKVGU), (HIDDEN, HIDDEN), (INTER, HIDDEN))
 
@@ -74,9 +85,31 @@ def fp8_triton(
     xq: list[tuple[torch.Tensor, torch.Tensor]],
     weights: list[Fp8Weight],
     config: GemmConfig | None = None,
-) -> None:
+) -> list[torch.Tensor]:
+    return [triton_gemm(q, s, w.q, w.scale, config) for (q, s), w in zip(xq, weights, strict=True)]
+
+
+def fp8_served(
+    xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weight], fast: bool = False
+) -> list[torch.Tensor]:
+    """What fp8_projections' `gemm: triton` runs: the table's tile, else cuBLASLt."""
+    out = []
     for (q, s), w in zip(xq, weights, strict=True):
-        triton_gemm(q, s, w.q, w.scale, config)
+        cfg = config_for(q.shape[0], w.q.shape[0], w.q.shape[1])
+        if cfg is not None and fast:
+            out.append(triton_gemm(q, s, w.q, w.scale, replace(cfg, precise=False)))
+        else:
+            out.append(fp8_matmul(q, s, w, False, torch.bfloat16, gemm="triton"))
+    return out
+
+
+def worst_error(ys: list[torch.Tensor], xq, weights: list[Fp8Weight]) -> float:
+    """Largest |y - float32 product| over the largest |product|, over the projections."""
+    worst = 0.0
+    for y, (q, s), w in zip(ys, xq, weights, strict=True):
+        ref = (q.float() * s) @ (w.q.float() * w.scale.t()).t()
+        worst = max(worst, float((y.float() - ref).abs().max() / ref.abs().max()))
+    return worst
 
 
 def candidates(rows: int, n: int, k: int) -> list[GemmConfig]:
@@ -172,8 +205,22 @@ def main() -> None:
             "fp8_torch_quant": functools.partial(fp8_torch_quant, xs, fp8),
             "fp8_gemm": functools.partial(fp8_gemm, xq, fp8),
         }
+        errors = {}
         if b > 1:  # one row: the GEMV's
-            ways["fp8_triton"] = functools.partial(fp8_triton, xq, fp8)
+            ways["fp8_triton"] = functools.partial(fp8_served, xq, fp8)
+            ways["fp8_triton_fast"] = functools.partial(fp8_served, xq, fp8, fast=True)
+            errors = {  # eagerly, outside the graphs; cuBLASLt's as fp8_gemm
+                "fp8_gemm": worst_error(
+                    [
+                        torch._scaled_mm(q, w.q.t(), scale_a=s, scale_b=w.scale,
+                                         out_dtype=torch.bfloat16)
+                        for (q, s), w in zip(xq, fp8, strict=True)
+                    ],
+                    xq, fp8,
+                ),
+                "fp8_triton": worst_error(fp8_served(xq, fp8), xq, fp8),
+                "fp8_triton_fast": worst_error(fp8_served(xq, fp8, fast=True), xq, fp8),
+            }  # fmt: skip
         graphs = {name: warm_and_capture(fn, warmups=2)[0] for name, fn in ways.items()}
         times = interleaved_replay_ms(graphs, args.replays)
         med = {name: statistics.median(t) for name, t in times.items()}
@@ -184,6 +231,7 @@ def main() -> None:
             "fp8_torch_quant_over_bf16": med["fp8_torch_quant"] / med["bf16"],
             "fp8_gemm_over_bf16": med["fp8_gemm"] / med["bf16"],
             "fp8_triton_over_fp8_gemm": med["fp8_triton"] / med["fp8_gemm"] if b > 1 else None,
+            "worst_error": errors,
             "read_gb_s": {
                 name: weight_bytes["bf16" if name == "bf16" else "fp8"] / (ms * 1e6)
                 for name, ms in med.items()
@@ -199,7 +247,11 @@ def main() -> None:
             f"{level['read_gb_s']['bf16']:.0f} GB/s bf16, {level['read_gb_s']['fp8']:.0f} fp8"
             + (
                 f"; triton GEMM {med['fp8_triton']:.3f} ms "
-                f"({level['fp8_triton_over_fp8_gemm']:.3f}x cuBLASLt)"
+                f"({level['fp8_triton_over_fp8_gemm']:.3f}x cuBLASLt), fast accumulation "
+                f"{med['fp8_triton_fast']:.3f}; worst error cuBLASLt/triton/fast "
+                + "/".join(
+                    f"{errors[k]:.2e}" for k in ("fp8_gemm", "fp8_triton", "fp8_triton_fast")
+                )
                 if b > 1
                 else ""
             ),

@@ -221,23 +221,33 @@ def test_the_gpu_gives_the_emulated_fp8_products():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 64, 200, 512])
-def test_the_triton_fp8_gemm_gives_the_emulated_products_at_the_real_shapes(m):
-    """kernels/fp8_gemm.py with `config_for`'s tile (split-K where it chooses it) at the
-    three projection shapes against float32 matmuls of the dequantized operands, and
-    against cuBLASLt's GEMM over the same operands: bf16 rounding and summation order."""
-    from orchestrate.techniques.rumik.kernels.fp8_gemm import config_for, fp8_gemm
+def test_the_triton_fp8_gemm_is_as_near_the_exact_product_as_cublas(m):
+    """kernels/fp8_gemm.py (the table's tile, else the plain one; split-K where the table
+    has it) at the three projection shapes against the float32 product of the dequantized
+    operands: within bf16's step of the largest output, and no farther than cuBLASLt's GEMM
+    (precise accumulation, its default) over the same operands, up to 2x. Its fast
+    accumulation (the whole K in the tensor cores) is measured beside it, not held to it."""
+    from dataclasses import replace
+
+    from orchestrate.techniques.rumik.kernels.fp8_gemm import config_for, default_config, fp8_gemm
 
     torch.manual_seed(m)
     for k, n in ((2048, 25088), (2048, 2048), (11008, 2048)):
         xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         w = Fp8Weight.of(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         ref = (xq.float() * xs) @ (w.q.float() * w.scale.t()).t()
-        ours = fp8_gemm(xq, xs, w.q, w.scale)
+        cfg = config_for(m, n, k) or default_config(m, n, k)
+        ours = fp8_gemm(xq, xs, w.q, w.scale, cfg)
+        fast = fp8_gemm(xq, xs, w.q, w.scale, replace(cfg, precise=False))
         cublas = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=ours.dtype)
         assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
-        for got in (ours, cublas):
-            err = (got.float() - ref).abs()
-            assert (err <= 2**-8 * ref.abs() + 1e-5 * ref.abs().max()).all(), config_for(m, n, k)
+        err = {
+            name: float((y.float() - ref).abs().max() / ref.abs().max())
+            for name, y in (("ours", ours), ("fast", fast), ("cublas", cublas))
+        }
+        where = f"{m}x{k}x{n} {cfg.label()}: {err}"
+        assert err["ours"] <= 2**-8, where
+        assert err["ours"] <= 2 * err["cublas"], where
 
 
 @pytest.mark.gpu

@@ -6,8 +6,11 @@ Contract
 `fp8_gemm(xq[M, K] e4m3, xs[M, 1] f32, wq[N, K] e4m3, ws[1, N] f32, config=None) -> y[M, N]
 bf16` with y = (xq @ wq.T) * xs * ws, the products summed in fp32, scaled in fp32 and
 rounded once to bf16: what `torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
-out_dtype=bf16)` computes, summed in another order. xq's and wq's last dims contiguous;
-K a multiple of 16. With `split_k` > 1 the K range is cut into that many slices, each
+out_dtype=bf16)` computes, summed in another order. Hopper's FP8 tensor cores accumulate
+with fewer bits than fp32; as cuBLASLt does by default (use_fast_accum off), each block of
+`block_k` products is added into the fp32 sum (`precise`; off: Triton's default on sm_90,
+the whole K in the tensor cores' accumulator). xq's and wq's last dims contiguous; K a
+multiple of 16. With `split_k` > 1 the K range is cut into that many slices, each
 program's partial sum (scaled) added into an fp32 buffer with atomics, then rounded: the sum's
 order then varies from run to run (bitwise, not in value beyond fp32 rounding). No host
 synchronisation: CUDA-graph safe.
@@ -44,31 +47,50 @@ class GemmConfig:
     split_k: int = 1
     warps: int = 4
     stages: int = 4
+    precise: bool = True  # each block_k products added into fp32 (the module contract)
 
     def label(self) -> str:
         return (
             f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-            f"w{self.warps}p{self.stages}"
+            f"w{self.warps}p{self.stages}" + ("" if self.precise else "-fast")
         )
 
 
-def config_for(m: int, n: int, k: int) -> GemmConfig:
-    """The tile for an [m, k] x [k, n] product: rows in one or two blocks, columns narrow
-    enough that the grid covers the GPU; split-K where outputs are few and K long."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if m <= 128 else 128
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
-    while programs * split < 132 and k // (128 * split * 2) >= 4:
-        split *= 2
-    return GemmConfig(block_m, block_n, 128, split, 4, 4)
+# (n, k) of a Rumik projection -> (most rows, tile) in ascending rows: the fastest tile of
+# fp8-gemm-sweep.json (H100, 36 weights a shape in one graph, interleaved with cuBLASLt) at
+# 64, 128, 256 and 512 rows, where it beat cuBLASLt. o_proj, down_proj, then q,k,v,gate,up
+# (there cuBLASLt was as fast or faster from 128 rows on).
+TABLE: dict[tuple[int, int], tuple[tuple[int, GemmConfig], ...]] = {
+    (2048, 2048): ((256, GemmConfig(64, 32)), (512, GemmConfig(128, 64, warps=8))),
+    (2048, 11008): (
+        (64, GemmConfig(64, 32, split_k=4)),
+        (128, GemmConfig(64, 64, split_k=4)),
+        (256, GemmConfig(128, 64, split_k=4, warps=8)),
+        (512, GemmConfig(128, 128, split_k=2, warps=8)),
+    ),
+    (25088, 2048): ((64, GemmConfig(64, 64)),),
+}
+
+
+def config_for(m: int, n: int, k: int) -> GemmConfig | None:
+    """The measured tile for this product (TABLE), or None: cuBLASLt is the faster there, or
+    the shape was never measured."""
+    for most, cfg in TABLE.get((n, k), ()):
+        if m <= most:
+            return cfg
+    return None
+
+
+def default_config(m: int, n: int, k: int) -> GemmConfig:
+    """A plain tile for any shape: rows in blocks of up to 64, 64 columns, no split."""
+    return GemmConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -87,7 +109,11 @@ def _fp8_gemm_kernel(
         k_ok = (k0 + rk) < K
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + (k0 + rk)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
+        if PRECISE:  # noqa: SIM108 - a constexpr branch: one of the two is compiled
+            # the block's products summed in the tensor cores, then added in fp32
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(x, w, acc)
     xs = tl.load(xs_ptr + rm, mask=row_ok, other=0.0)
     ws = tl.load(ws_ptr + rn, mask=col_ok, other=0.0)
     y = acc * xs[:, None] * ws[None, :]
@@ -119,7 +145,7 @@ def fp8_gemm(
     if xs.numel() != m or ws.numel() != n or not (xs.is_contiguous() and ws.is_contiguous()):
         shapes = f"{tuple(xs.shape)}, {tuple(ws.shape)}"
         raise ValueError(f"fp8_gemm: contiguous scales [M, 1] and [1, N], got {shapes}")
-    cfg = config or config_for(m, n, k)
+    cfg = config or config_for(m, n, k) or default_config(m, n, k)
     if cfg.split_k == 1:
         y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
     else:
@@ -128,6 +154,6 @@ def fp8_gemm(
     _fp8_gemm_kernel[grid](
         xq, wq, xs, ws, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        PRECISE=cfg.precise, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return y if cfg.split_k == 1 else y.to(torch.bfloat16)
