@@ -506,8 +506,10 @@ class ProfiledSteps:
 
     def close(self) -> None:
         if self.profiling is not None:
-            self.profiling.close()  # synchronises: the window ends when its work has
-            self.wall_s = time.perf_counter() - self.started
+            if torch.cuda.is_available():  # the window ends when its work has
+                torch.cuda.synchronize()
+            self.wall_s = time.perf_counter() - self.started  # before the profiler's teardown
+            self.profiling.close()  # (seconds of parsing: the level's loop stalls on it)
             self.profiling = None
 
     def summary(self) -> dict[str, Any]:
