@@ -100,6 +100,58 @@ def test_only_the_window_of_steps_is_profiled(monkeypatch: pytest.MonkeyPatch):
     assert g["streams"]["3"]["events"] == 4 and g["busy_fraction"] > 0
 
 
+class _Event:
+    def __init__(self, key: int, frames_ready: int, done: bool) -> None:
+        self.key, self.frames_ready, self.done = key, frames_ready, done
+
+
+class _Streams(_Server):
+    """A server of two rows for drive(): each step makes one frame for each live stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, int] = {}  # key -> frames made
+
+    def free_rows(self) -> int:
+        return 2 - len(self.rows)
+
+    def admit(self, reqs: list[_Event]) -> int:
+        n = min(len(reqs), self.free_rows())
+        self.rows.update((req.key, 0) for req in reqs[:n])
+        return n
+
+    def live(self) -> int:
+        return len(self.rows)
+
+    def step(self) -> list[_Event]:
+        self.steps += 1
+        events = []
+        for key in list(self.rows):
+            self.rows[key] += 1
+            events.append(_Event(key, self.rows[key], self.rows[key] == 3))
+            if self.rows[key] == 3:
+                del self.rows[key]
+        return events
+
+
+def test_the_driver_serves_through_the_window_as_through_the_server(monkeypatch):
+    """drive() runs a level on the profiling window exactly as on the server itself: every
+    stream complete, the same frames, and the window's steps profiled."""
+    from orchestrate.running.serving import drive
+
+    bench = _bench()
+    requests = [_Event(key, 0, False) for key in range(4)]  # drive reads a request's .key
+    plain = drive(_Streams(), requests, [0.0] * 4, [3] * 4, 10.0)[0]
+    server = _Streams()
+    monkeypatch.setattr(bench, "device_activity", _fake_activity(server))
+    window = bench.ProfiledSteps(server, skip=1, steps=2)
+    records = drive(window, requests, [0.0] * 4, [3] * 4, 10.0)[0]
+    window.close()
+    assert all(r.done and len(r.frame_ready_s) == 3 for r in records)
+    assert [len(r.frame_ready_s) for r in records] == [len(r.frame_ready_s) for r in plain]
+    assert window.summary()["steps"] == 2 and server.steps == 6
+
+
 def test_a_level_shorter_than_the_skip_says_nothing_was_profiled(monkeypatch):
     bench, server = _bench(), _Server()
     monkeypatch.setattr(bench, "device_activity", _fake_activity(server))

@@ -288,3 +288,23 @@ def test_an_fp8_cache_without_the_kernel_that_reads_its_scales_is_refused_at_bui
         update={"techniques": [TechniqueRef(name="batched_decode", params=triton)]}
     )
     assert build_stack(spec).techniques[0].params.kv == "fp8"
+
+
+def test_the_gemm_table_is_the_sweeps_fastest_tile_where_it_beat_cublas():
+    """kernels/fp8_gemm.py's TABLE is read off the committed sweep (fp8-gemm-sweep.json):
+    at every row count and shape swept, `config_for` gives the fastest tile where it was
+    faster than cuBLASLt, and None (cuBLASLt) where it was not."""
+    import json
+    from pathlib import Path
+
+    from orchestrate.techniques.rumik.kernels.fp8_gemm import config_for
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks/h100/serving/fp8-gemm-sweep.json"
+    levels = json.loads(record.read_text())["sweep"]
+    assert len(levels) == 12  # 4 row counts x 3 shapes
+    for lv in levels:
+        tiles = {k: v for k, v in lv["median_ms_36"].items() if k not in ("cublas", "config_for")}
+        best = min(tiles, key=tiles.__getitem__)
+        want = best if tiles[best] < lv["median_ms_36"]["cublas"] else None
+        cfg = config_for(lv["rows"], lv["n"], lv["k"])
+        assert (cfg.label() if cfg else None) == want, lv["rows"]
