@@ -3,11 +3,13 @@ CLI run as a user runs it (`run_cli`).
 
 One place, so a change to the record schema is made once. `fabricate_result` is a realistic
 finished run with awkward floats (round trips must be exact); `utterances`, `stack_result`
-and `result_record` build timed results whose speedups a test chooses.
+and `result_record` build timed results whose speedups a test chooses. `benchmark` loads a
+script of benchmarks/ as a module (they are scripts, not a package).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import wave
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import ModuleType
 
 from orchestrate.api.config import ModelSpec, Prompt, StackSpec, TechniqueRef, Workload
 from orchestrate.api.records import (
@@ -27,6 +30,17 @@ from orchestrate.api.records import (
 )
 
 MakeResult = Callable[..., ResultRecord]
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark(script: str) -> ModuleType:
+    """benchmarks/<script>.py loaded as a fresh module (its globals its own: a test may
+    monkeypatch them)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", BENCHMARKS / f"{script}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_cli(

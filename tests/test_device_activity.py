@@ -5,12 +5,11 @@ it over a window of a level's steps."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from factories import benchmark
 
 from orchestrate.api.device import device_activity, kernel_time
 
@@ -52,11 +51,7 @@ def test_device_activity_refuses_a_machine_without_cuda(monkeypatch: pytest.Monk
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
-    spec = importlib.util.spec_from_file_location("serving_bench_profile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("serving_bench")
 
 
 class _Server:

@@ -624,14 +624,9 @@ def test_a_pipelined_server_waits_for_the_gpu_only_to_read_tokens_on_gpu(chunk):
 
 
 def _bench():
-    import importlib.util
-    from pathlib import Path
+    from factories import benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
-    spec = importlib.util.spec_from_file_location("serving_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("serving_bench")
 
 
 @pytest.mark.parametrize(
