@@ -59,7 +59,7 @@ from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 GROUPS = (
     ("attention", ("_batched_split_kernel", "_batched_reduce_kernel")),
     ("glue kernels", ("_layer_norm_kernel", "_rope_cache_kernel", "_swiglu_rows_kernel")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "splitk")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "splitk")),  # _fp8_gemm_kernel
     ("norm (eager)", ("layer_norm", "LayerNorm")),
     ("elementwise (eager)", ("elementwise", "vectorized", "unrolled", "CatArray", "index")),
     ("sampler/head", ("topk", "sort", "gather", "scatter", "reduce", "argmax", "softmax")),
@@ -116,11 +116,24 @@ def fill_state(dec: BatchedDecoder, context: int) -> None:
     dec.seed.copy_(torch.arange(dec.rows, device=dec.seed.device))
 
 
+def set_gemm(dec: BatchedDecoder, variant: str) -> None:
+    """FP8 projections' GEMM for two or more rows: kernels/fp8_gemm.py where its table has
+    a tile for variants suffixed `_tgemm`, cuBLASLt otherwise; read at capture."""
+    if hasattr(dec.proj, "gemm"):
+        dec.proj.gemm = "triton" if variant.endswith("_tgemm") else "cublas"
+
+
 def set_residual_epilogue(dec: BatchedDecoder, variant: str) -> None:
     """FP8 projections' one-row residual adds: in the GEMV epilogue, unless the variant is
     `_adds` (their add kernels), read when the variant's graph is captured."""
     if hasattr(dec.proj, "residual_epilogue"):
         dec.proj.residual_epilogue = "_adds" not in variant
+
+
+def configure(dec: BatchedDecoder, variant: str) -> None:
+    """The variant's projection settings on its (shared) decoder, before its capture."""
+    set_residual_epilogue(dec, variant)
+    set_gemm(dec, variant)
 
 
 def main() -> None:
@@ -153,6 +166,12 @@ def main() -> None:
         "--fp8-projections",
         action="store_true",
         help="also variant triton_kv8_fp8: fp8_projections (APPROXIMATE, Hopper) on top",
+    )
+    ap.add_argument(
+        "--fp8-gemm-triton",
+        action="store_true",
+        help="with --fp8-projections, also variant triton_kv8_fp8_tgemm: its GEMMs through "
+        "kernels/fp8_gemm.py where its table has a tile (fp8_projections gemm: triton)",
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -198,6 +217,8 @@ def main() -> None:
         )  # fmt: skip
         variants["triton_kv8_fp8"] = ("triton", decs["fp8_proj"], "auto")
         variants["triton_kv8_fp8_adds"] = ("triton", decs["fp8_proj"], "auto")
+        if args.fp8_gemm_triton:
+            variants["triton_kv8_fp8_tgemm"] = ("triton", decs["fp8_proj"], "auto")
     if args.unsplit:  # the kernel-glue variants again with the attention never split
         for name, (glue, d, _) in list(variants.items()):
             if glue == "triton":
@@ -235,6 +256,8 @@ def main() -> None:
             "triton_kv8_fp8_adds": "triton_kv8_fp8 with its one-row residual adds as add "
             "kernels (two a layer), not in the GEMVs' epilogue (Fp8Packed.residual_epilogue); "
             "the same at more rows",
+            "triton_kv8_fp8_tgemm": "(--fp8-gemm-triton) triton_kv8_fp8 with two or more rows' "
+            "GEMMs through kernels/fp8_gemm.py where its table has a tile, cuBLASLt elsewhere",
             "*_unsplit": "(--unsplit) the variant with its attention never split; the others "
             "split each row's positions across programs at small row counts "
             "(`attention_splits` per level: BatchedDecoder.splits, exact up to rounding order)",
@@ -252,7 +275,7 @@ def main() -> None:
             graphs, agree = {}, {}
             for name, (glue, d, splits) in variants.items():
                 d.glue, d.attention_splits = glue, splits
-                set_residual_epilogue(d, name)
+                configure(d, name)
                 graphs[name] = warm_and_capture(lambda b=b, d=d: d.step(b, d.capacity))[0]
                 agree[name] = (d._forward(b, d.capacity).float(), d.step(b, d.capacity))
             h0, t0 = agree["torch"]
@@ -322,7 +345,7 @@ def time_chunk(variants: dict, b: int, c: int, replays: int) -> dict:
         if glue != "triton":
             continue
         d.glue, d.attention_splits = glue, splits
-        set_residual_epilogue(d, name)
+        configure(d, name)
         gen = torch.Generator().manual_seed(c)
         ids = torch.randint(1, d.embed.shape[0], (c,), generator=gen).tolist()
         d.stage_chunk([d.scratch] * c, list(range(c)), ids, c)
@@ -347,7 +370,7 @@ def time_prefill(variants: dict, rows: int, tokens: int, replays: int) -> dict:
     graphs = {}
     for name, (glue, d, splits) in variants.items():
         d.glue, d.attention_splits = glue, splits
-        set_residual_epilogue(d, name)
+        configure(d, name)
         gen = torch.Generator(device=d.ids.device).manual_seed(tokens)
         ids = torch.randint(1, d.embed.shape[0], (rows, tokens), generator=gen, device=gen.device)
         index = torch.arange(rows, device=ids.device)
