@@ -197,3 +197,50 @@ def test_kernels_on_two_streams_are_recorded_apart():
     t = kernel_time(activity)
     assert len(t["streams"]) == 2 and t["busy_ms"] > 0
     assert t["busy_ms"] <= sum(s["ms"] for s in t["streams"].values()) + 1e-9
+
+
+class _Cleared:
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    def clear(self) -> None:
+        self.cleared += 1
+
+
+def test_the_profile_comes_from_a_second_run_and_the_figures_from_the_first(monkeypatch):
+    """--profile-gpu never perturbs a reported figure: the level is run unprofiled, then
+    again for its profile alone; a failing profiled run leaves the measured level whole."""
+    import argparse
+    import time
+
+    bench = _bench()
+    calls: list[tuple[int, int] | None] = []
+
+    def run(server, load, prompt, frames, args, limit_s, path, gpu_window=None):
+        calls.append(gpu_window)
+        if gpu_window is None:
+            return {"path": path, "served": 7}
+        if fail:
+            raise RuntimeError("CUPTI unavailable")
+        return {"path": path, "served": 1, "gpu_profile": {"steps": gpu_window[1]}}
+
+    monkeypatch.setattr(bench, "run_ours", run)
+    args = argparse.Namespace(profile_gpu="10:20")
+    deadline = time.perf_counter() + 60
+    fail = False
+    level = bench.measured_level(_Cleared(), None, [], 1, args, deadline, "ours")
+    assert calls == [None, (10, 20)]
+    assert level == {"path": "ours", "served": 7, "gpu_profile": {"steps": 20}}
+    fail, server = True, _Cleared()
+    level = bench.measured_level(server, None, [], 1, args, deadline, "ours")
+    assert level == {
+        "path": "ours",
+        "served": 7,
+        "gpu_profile": {"error": "RuntimeError: CUPTI unavailable"},
+    }
+    assert server.cleared == 1  # the failed run's streams are gone before the next level
+    calls.clear()
+    bench.measured_level(
+        _Cleared(), None, [], 1, argparse.Namespace(profile_gpu=None), deadline, "o"
+    )
+    assert calls == [None]  # without the flag: one run
