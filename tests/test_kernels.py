@@ -1126,6 +1126,8 @@ def test_fp8_gemm_refuses_what_it_does_not_compute() -> None:
         f8g.fp8_gemm(xq, xs, wq, torch.cat([ws, ws]).t().reshape(1, -1)[:, ::2])  # strided
     with pytest.raises(ValueError, match="K a multiple of 16"):
         f8g.fp8_gemm(xq[:, :40].contiguous(), xs, wq[:, :40].contiguous(), ws)
+    empty = f8g.fp8_gemm(xq[:0], xs[:0], wq, ws)  # no rows: no launch, an empty product
+    assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("width", [2048, 11008])

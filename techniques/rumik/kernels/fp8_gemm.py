@@ -145,6 +145,8 @@ def fp8_gemm(
     if xs.numel() != m or ws.numel() != n or not (xs.is_contiguous() and ws.is_contiguous()):
         shapes = f"{tuple(xs.shape)}, {tuple(ws.shape)}"
         raise ValueError(f"fp8_gemm: contiguous scales [M, 1] and [1, N], got {shapes}")
+    if m == 0:  # no rows: nothing to launch (a grid of 0 programs is an error)
+        return torch.empty((0, n), dtype=torch.bfloat16, device=xq.device)
     cfg = config or config_for(m, n, k) or default_config(m, n, k)
     if cfg.split_k == 1:
         y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
