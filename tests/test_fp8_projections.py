@@ -308,3 +308,30 @@ def test_the_gemm_table_is_the_sweeps_fastest_tile_where_it_beat_cublas():
         want = best if tiles[best] < lv["median_ms_36"]["cublas"] else None
         cfg = config_for(lv["rows"], lv["n"], lv["k"])
         assert (cfg.label() if cfg else None) == want, lv["rows"]
+
+
+def test_gemm_triton_takes_the_kernel_only_where_its_table_has_a_tile(monkeypatch):
+    """fp8_matmul with `gemm: triton` on CUDA: the table's tile where it has one (64 rows of
+    q,k,v,gate,up), cuBLASLt where it has none (200 rows of the same shape); `cublas` never
+    the kernel. Both GEMMs replaced by recorders: the dispatch alone, on any machine."""
+    import orchestrate.techniques.rumik.kernels.fp8_gemm as kernel
+    from orchestrate.techniques.rumik.fp8_projections import fp8_matmul
+
+    calls: list[tuple[str, object]] = []
+
+    def triton(xq, xs, wq, ws, config=None):
+        calls.append(("triton", config))
+        return torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.bfloat16)
+
+    def cublas(a, b, scale_a, scale_b, out_dtype):
+        calls.append(("cublas", None))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(kernel, "fp8_gemm", triton)
+    monkeypatch.setattr(torch, "_scaled_mm", cublas)
+    w = Fp8Weight(torch.empty(25088, 2048, dtype=torch.float8_e4m3fn), torch.ones(1, 25088))
+    for m, gemm in ((64, "triton"), (200, "triton"), (64, "cublas")):
+        xq = torch.empty(m, 2048, dtype=torch.float8_e4m3fn)
+        fp8_matmul(xq, torch.ones(m, 1), w, False, torch.bfloat16, gemm)
+    assert calls == [("triton", kernel.config_for(64, 25088, 2048)), ("cublas", None),
+                     ("cublas", None)]  # fmt: skip

@@ -28,13 +28,16 @@ order than cuBLASLt's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from orchestrate.api.technique import Technique, TechniqueParams, UnsupportedConfig
 from orchestrate.families.rumik.engine import Engine, Projections, tensor_bytes
 from orchestrate.families.rumik.model import RumikModel, input_projections, packed_input_weight
+
+if TYPE_CHECKING:
+    from orchestrate.techniques.rumik.kernels.fp8_gemm import GemmConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, beyond it is NaN
@@ -92,13 +95,21 @@ def fp8_matmul(
         from orchestrate.techniques.rumik.kernels.int8_gemv import int8_linear
 
         y = int8_linear(xq, w.q, w.scale, x_scale=xs, out_dtype=torch.bfloat16)
-    elif gemm == "triton":
+    elif gemm == "triton" and (cfg := _triton_tile(xq.shape[0], *w.q.shape)) is not None:
         from orchestrate.techniques.rumik.kernels.fp8_gemm import fp8_gemm
 
-        y = fp8_gemm(xq, xs, w.q, w.scale)
+        y = fp8_gemm(xq, xs, w.q, w.scale, cfg)
     else:  # row-wise scales need bf16 output; a bf16 model is what the GPU serves
         y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale, out_dtype=torch.bfloat16)
     return y.to(dtype)
+
+
+def _triton_tile(m: int, n: int, k: int) -> GemmConfig | None:
+    """kernels/fp8_gemm.py's measured tile for this product, or None: cuBLASLt there (the
+    kernel's table covers the shapes and row counts where its tile beat cuBLASLt)."""
+    from orchestrate.techniques.rumik.kernels.fp8_gemm import config_for
+
+    return config_for(m, n, k)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, emulate: bool, gemm: Gemm = "cublas") -> torch.Tensor:

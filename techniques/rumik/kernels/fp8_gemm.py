@@ -18,7 +18,7 @@ synchronisation: CUDA-graph safe.
 Why it exists
 -------------
 At serving batch sizes cuBLASLt's FP8 GEMM reads the step's weights slowly: 108 projections
-at the Rumik shape (2.81 GB of e4m3) take 2.26 ms at 64 rows and 2.51 at 256
+at the Rumik shape (2.82 GB of e4m3) take 2.287 ms at 64 rows and 2.506 at 256
 (benchmarks/h100/serving/fp8-gemm-kernel-quant.json), 1.1-1.2 TB/s against the ~2.8 TB/s an
 H100 reads at. The narrow projections (o_proj, down_proj: 2048 outputs) give 128x128 tiles
 only 16 column blocks. Here the tile is chosen per shape (`config_for`), programs that share
