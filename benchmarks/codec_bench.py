@@ -11,8 +11,11 @@ graph and its replays timed by CUDA events, variants interleaved per replay:
               back);
   fp32-ring-triton  fp32-ring with each row's ring read in place by
               kernels/ring_attention.py (no gather: the codec_attention "triton" option);
+  tf32-ring-triton  fp32-ring-triton with TF32 matmuls too (APPROXIMATE: the transformer's
+              linear layers on tensor cores; fp32 leaves them to SIMT kernels);
   fp32-exact  float32 with TF32 off;
-  bf16        the decoder in bfloat16 (APPROXIMATE).
+  bf16        the decoder in bfloat16 (APPROXIMATE);
+  bf16-ring-triton  bf16 with fp32-ring-triton's window and kernel (APPROXIMATE).
 Each variant's audio is compared with fp32-exact's (or, without it in --variants, the first
 variant's): max |diff| over the reference's peak, recorded beside its time.
 `--variants fp32,bf16` times a subset. The first four in one process faulted on an H100 with an
@@ -50,7 +53,15 @@ from orchestrate.running.environment import capture
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
 FRAME_S = 0.08
-VARIANTS = ("fp32", "fp32-ring", "fp32-ring-triton", "fp32-exact", "bf16")
+VARIANTS = (
+    "fp32",
+    "fp32-ring",
+    "fp32-ring-triton",
+    "tf32-ring-triton",
+    "fp32-exact",
+    "bf16",
+    "bf16-ring-triton",
+)
 
 
 def build_codec(dtype: torch.dtype, device: str = "cuda"):
@@ -84,9 +95,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     fp32 = build_codec(torch.float32)
-    bf16 = build_codec(torch.bfloat16) if "bf16" in names else None
-    codecs = {name: bf16 if name == "bf16" else fp32 for name in names}
-    tf32 = {name: name != "fp32-exact" for name in VARIANTS}
+    bf16 = build_codec(torch.bfloat16) if any(n.startswith("bf16") for n in names) else None
+    codecs = {name: bf16 if name.startswith("bf16") else fp32 for name in names}
+    tf32 = {name: name != "fp32-exact" for name in VARIANTS}  # convolutions
+    tf32_matmul = {name: name.startswith("tf32") for name in VARIANTS}
     ring_kernel = None  # imported (Triton) only where a variant reads the ring in place
     if any(name.endswith("-triton") for name in names):
         from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
@@ -102,6 +114,7 @@ def main() -> None:
             graphs, outs, errors = {}, {}, {}
             for name, codec in codecs.items():
                 torch.backends.cudnn.allow_tf32 = tf32[name]  # baked in at capture
+                torch.backends.cuda.matmul.allow_tf32 = tf32_matmul[name]
                 kv = "ring" if "-ring" in name else "gather"
                 kernel = ring_kernel if name.endswith("-triton") else None
                 stream = MimiStream(codec, rows, kv, max_frames=frames, ring_attention=kernel)
@@ -142,6 +155,7 @@ def main() -> None:
             args.out.write_text(json.dumps(doc, indent=1))
             del graphs, outs
     torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = False
     if args.profile:
         doc["profile"] = profile(fp32, args.profile, args.profile_kv)
         args.out.write_text(json.dumps(doc, indent=1))
