@@ -36,7 +36,6 @@ counted twice), by operator, the largest first (where the time goes).
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import statistics
@@ -50,6 +49,7 @@ from orchestrate.families.rumik.engine import tensor_bytes
 from orchestrate.families.rumik.mimi_stream import KV_LAYOUTS, MimiStream
 from orchestrate.families.rumik.presets import PRESETS
 from orchestrate.running.environment import capture
+from orchestrate.techniques.rumik.chunk_codec import bfloat16_copy
 from orchestrate.techniques.rumik.cuda_graph import warm_and_capture
 
 FRAME_S = 0.08
@@ -71,7 +71,10 @@ def build_codec(dtype: torch.dtype, device: str = "cuda"):
     with torch.device(device):
         codec = MimiModel(MimiConfig(**PRESETS["rumik-oss-1"].mimi)).eval()
         seed_codebooks(codec)
-    return codec if dtype == torch.float32 else copy.deepcopy(codec).to(dtype)
+    if dtype == torch.float32:
+        return codec
+    assert dtype == torch.bfloat16, dtype
+    return bfloat16_copy(codec)  # as the served codec's bf16 precision copies it
 
 
 def main() -> None:

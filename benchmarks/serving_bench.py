@@ -65,6 +65,8 @@ CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
 PROJECTIONS = {"bf16": "", "fp8": "_fp8", "fp8_triton": "_fp8t"}
 KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXIMATE)
 GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact up to rounding)
+# --codec-precision: the codec's arithmetic (chunk_codec.py); tf32 and bf16 are APPROXIMATE
+CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
 
 
 def path_name(
@@ -74,11 +76,13 @@ def path_name(
     kv: str = "model",
     glue: str = "torch",
     chunk: int = 0,
+    codec_precision: str = "fp32",
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
-    return PATHS[attention] + overlap + fp8 + ("_glue" if glue == "triton" else "") + chunked
+    glued = "_glue" if glue == "triton" else ""
+    return PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
 
 
 NOT_BUILT = [
@@ -157,6 +161,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(kernels/ring_attention.py: each row's ring read in place; needs --codec-kv ring)",
     )
     ap.add_argument(
+        "--codec-precision",
+        default="fp32",
+        help="the codec's arithmetic, comma-separated, each a path: fp32 (Mimi as it ships), "
+        "tf32 (its matmuls in TF32 too; APPROXIMATE; CUDA; paths suffixed _ctf32), bf16 (a "
+        "bfloat16 copy of the decoder; APPROXIMATE; paths suffixed _cbf16); each approximate "
+        "path's audio is compared with float32's (codec_vs_fp32)",
+    )
+    ap.add_argument(
         "--chunk-tokens",
         default="0",
         help="prompt writes, comma-separated, each a path: 0, a pass of their own per "
@@ -232,6 +244,39 @@ VS_EXACT = (
     "the exact logits' largest |value|, and whether the argmax agrees (random weights: a "
     "numeric change, not a quality judgement)"
 )
+
+
+CODEC_VS_FP32 = (
+    "an APPROXIMATE codec precision against float32 (Mimi as it ships), the same chunk "
+    "codec otherwise: ROWS streams of FRAMES seeded random codes decoded a frame at a time "
+    "by both; max_abs_diff_over_peak (the largest |difference| over float32's largest "
+    "|sample|) and snr_db (10 log10 of float32's energy over the difference's) over the "
+    "whole audio (random weights: a numeric change, not a quality judgement)"
+)
+
+
+@torch.inference_mode()
+def codec_vs_fp32(model, precision: str, args, rows: int = 8, frames: int = 25) -> dict:
+    from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
+
+    def audio(which: str) -> torch.Tensor:
+        codec = ChunkCodec(model, rows, False, chunk_frames=1, kv=args.codec_kv,
+                           attention=args.codec_attention, precision=which)  # fmt: skip
+        index = torch.arange(rows)
+        gen = torch.Generator().manual_seed(args.seed)
+        shape = (rows, model.codec.config.num_quantizers, frames)
+        codes = torch.randint(0, model.codec.config.codebook_size, shape, generator=gen)
+        return torch.cat([codec.decode_now(index, codes[..., f : f + 1]) for f in range(frames)],
+                         dim=-1).cpu()  # fmt: skip
+
+    ref, got = audio("fp32"), audio(precision)
+    diff = got - ref
+    return {
+        "rows": rows,
+        "frames": frames,
+        "max_abs_diff_over_peak": float(diff.abs().max() / ref.abs().max()),
+        "snr_db": float(10 * torch.log10(ref.pow(2).sum() / diff.pow(2).sum())),
+    }
 
 
 @torch.inference_mode()
@@ -341,6 +386,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError("--glue triton needs --attention triton alone")
     if args.codec_attention == "triton" and (args.codec_kv != "ring" or not cuda):
         raise LoadError("--codec-attention triton needs --codec-kv ring and --device cuda")
+    precisions = args.codec_precision.split(",")
+    if not args.codec_precision or any(p not in CODEC_PRECISIONS for p in precisions):
+        raise LoadError(
+            f"--codec-precision {args.codec_precision!r}: each one of {', '.join(CODEC_PRECISIONS)}"
+        )
+    if "tf32" in precisions and not cuda:
+        raise LoadError("--codec-precision tf32 needs --device cuda (a CUDA matmul mode)")
+    if args.no_codec and precisions != ["fp32"]:
+        raise LoadError("--codec-precision with --no-codec: there is no codec to run")
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -728,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
             "repository that made them; host_syncs_steps: that level's decode steps. The "
             "warnings' handling perturbs every timing of such a level"
         )
+    if args.codec_precision != "fp32":
+        doc["definitions"]["codec_vs_fp32"] = CODEC_VS_FP32
     if args.profile_gpu:
         doc["definitions"]["gpu_profile"] = (
             "--profile-gpu SKIP:STEPS: every kernel, copy and set the GPU ran (CUPTI, graph "
@@ -744,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p, kv, g, n, pipe == "on")
+        (a, c, p, kv, g, n, pipe == "on", cp)
+        for cp in args.codec_precision.split(",")
         for pipe in args.pipeline.split(",")
         for n in map(int, args.chunk_tokens.split(","))
         for g in args.glue.split(",")
@@ -753,8 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj, kv, glue, chunk, pipe) in enumerate(runs):  # in turn
-        path = path_name(attention, codec, proj, kv, glue, chunk) + ("_pipe" if pipe else "")
+    for which, (attention, codec, proj, kv, glue, chunk, pipe, cp) in enumerate(runs):  # in turn
+        path = path_name(attention, codec, proj, kv, glue, chunk, cp) + ("_pipe" if pipe else "")
         fp8 = None
         if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
             fp8 = Fp8Packed(model, gemm="triton" if proj == "fp8_triton" else "cublas")
@@ -775,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
             admit_every=args.admit_every,
             codec_kv=args.codec_kv,
             codec_attention=args.codec_attention,
+            codec_precision=cp,
             projections=fp8,
             kv=kv,
             glue=glue,
@@ -790,9 +848,12 @@ def main(argv: list[str] | None = None) -> int:
             "glue": glue,
             "chunk_tokens": chunk,
             "pipeline": pipe,
+            "codec_precision": cp,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact
+        if cp != "fp32" and not args.no_codec:
+            about["codec_vs_fp32"] = codec_vs_fp32(model, cp, args)
         mine = (
             doc["ours"]
             .setdefault("paths", {})

@@ -499,6 +499,54 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
     assert runs[0] == runs[1]
 
 
+def test_the_codecs_precision_reaches_the_server_and_leaves_the_models_codec(model):
+    """batched_decode's codec_precision (version 9): bf16 decodes with a bfloat16 copy (the
+    model's own Mimi stays float32 for everything else), tf32 is a CUDA matmul mode and is
+    refused on the CPU when the stack is applied."""
+    from orchestrate.api.technique import Refused
+
+    def built(precision: str):
+        ref = TechniqueRef(name="batched_decode", params={"rows": 2, "codec_precision": precision})
+        return build_stack(StackSpec(name="codec-precision", family="rumik", techniques=[ref]))
+
+    engine = FAMILY.build_engine(model, built("bf16"))
+    server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
+    assert server.codec.stream.dtype == torch.bfloat16
+    assert next(model.codec.parameters()).dtype == torch.float32
+    assert "bfloat16" in server.described()["codec"]
+    with pytest.raises(Refused, match="codec_precision 'tf32' needs a CUDA device"):
+        FAMILY.build_engine(model, built("tf32"))
+
+
+@pytest.mark.gpu
+def test_an_approximate_codec_serves_the_same_tokens_and_nearby_audio_on_gpu():
+    """tf32 and bf16 codecs, graphed on the side stream beside pipelined steps: the tokens
+    are fp32's (the codec does not feed the decoder), the audio moves by rounding only
+    (measured: within 5% of the peak) and does move (the precision is in effect)."""
+    gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="float32"))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    runs = {}
+    for precision in ("fp32", "tf32", "bf16"):
+        server = BatchedServer(
+            gpu_model, 2, 256, TOPK, graphs=True, codec=True, keep_audio=True,
+            codec_overlap=True, codec_precision=precision,
+        )  # fmt: skip
+        server.warm_up()
+        records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
+        assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
+        runs[precision] = server
+    assert not torch.backends.cuda.matmul.allow_tf32  # restored after the tf32 codec's work
+    for precision in ("tf32", "bf16"):
+        assert runs[precision].tokens == runs["fp32"].tokens
+        for req in reqs:
+            a = np.concatenate(runs["fp32"].audio[req.key], axis=-1)
+            b = np.concatenate(runs[precision].audio[req.key], axis=-1)
+            err = np.abs(a - b).max() / np.abs(a).max()
+            assert a.shape == b.shape and 0 < err <= 0.05, (precision, req.key, err)
+
+
 @pytest.mark.gpu
 def test_the_codecs_graphs_and_side_stream_give_the_eager_codecs_audio_on_gpu(monkeypatch):
     """The codec eager between graphed steps, then replayed from its row buckets' graphs,
@@ -648,6 +696,9 @@ def _bench():
         (["--pipeline", "on"], "--pipeline on needs --codec overlap alone"),
         (["--sync-sites"], "--sync-sites counts CUDA synchronisations: it needs --device cuda"),
         (["--profile-gpu", "10:5"], "--profile-gpu records GPU activity: it needs --device cuda"),
+        (["--codec-precision", "fp16"], "--codec-precision 'fp16': each one of fp32, tf32, bf16"),
+        (["--codec-precision", "fp32,tf32"], "--codec-precision tf32 needs --device cuda"),
+        (["--codec-precision", "bf16", "--no-codec"], "there is no codec to run"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):
@@ -692,6 +743,23 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
     assert doc["environment"]["git_sha"] and doc["not_built"]
     assert doc["ours"]["paths"]["ours"]["phases"] == ["prefill", "step", "codec", "host"]
     assert set(doc["ours"]["phases"]) >= set(doc["ours"]["paths"]["ours"]["phases"])  # defined
+
+
+def test_benchmark_bf16_codec_path_records_its_audio_against_fp32(tmp_path):
+    import json
+
+    out = tmp_path / "s.json"
+    argv = ["--device", "cpu", "--levels", "2", "--baseline-levels", "", "--frames", "2"]
+    assert _bench().main([*argv, "--codec-precision", "fp32,bf16", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [lv["path"] for lv in doc["levels"]] == ["ours", "ours_cbf16"]
+    assert all("error" not in lv and lv["streams"] == 2 for lv in doc["levels"])
+    bf16 = doc["ours"]["paths"]["ours_cbf16"]
+    assert bf16["codec_precision"] == "bf16" and "codec_vs_fp32" not in doc["ours"]["paths"]["ours"]
+    # bfloat16 keeps 8 bits of mantissa: the audio moves, by a rounding's worth, not more
+    vs = bf16["codec_vs_fp32"]
+    assert 0 < vs["max_abs_diff_over_peak"] < 0.25 and 10 < vs["snr_db"] < 80, vs
+    assert "codec_vs_fp32" in doc["definitions"]
 
 
 @pytest.mark.parametrize(

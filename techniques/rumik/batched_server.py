@@ -148,6 +148,7 @@ class BatchedServer:
         pad_codec: bool | None = None,
         codec_kv: str = "gather",
         codec_attention: str = "sdpa",
+        codec_precision: str = "fp32",
         admit_every: int = 1,
         projections: Projections | None = None,
         kv: str = "model",
@@ -191,6 +192,7 @@ class BatchedServer:
                 padded=pad_codec,
                 kv=codec_kv,
                 attention=codec_attention,
+                precision=codec_precision,
             )
             if codec
             else None

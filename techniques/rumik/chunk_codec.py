@@ -18,6 +18,13 @@ without graphs pads the same way, eagerly (for tests). Padding rows step MimiStr
 `scratch` state row, which no stream owns. Other chunk lengths (a stream's shorter last
 chunk) decode eagerly at their own shape.
 
+`precision` (CODEC_PRECISIONS): fp32, the decoder as Mimi ships it (cuDNN's TF32 convolutions,
+float32 matmuls: SIMT kernels); tf32 (CUDA, APPROXIMATE) the same decoder with its
+matmuls on tensor cores in TF32 too, the flag set around each decode and capture only;
+bf16 (APPROXIMATE) a bfloat16 copy of the decoder, its state in bfloat16, its audio
+returned as float32. Both change the audio by rounding: benchmarks/codec_bench.py measures
+by how much (max |diff| over the peak against float32).
+
 Every state the codec touches (MimiStream's per-row convolution tails, windowed keys and
 values, positions) is read and written on one stream in launch order, resets included,
 so a row reused by a new stream starts from zeros after its previous stream's last chunk.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +46,19 @@ from orchestrate.api.device import to_device_async
 from orchestrate.families.rumik.mimi_stream import MimiStream
 from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
+
+CODEC_PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def bfloat16_copy(codec: torch.nn.Module) -> torch.nn.Module:
+    """`codec` in bfloat16, the original untouched. Mimi's codebooks cache their centroids
+    in a plain attribute (`_embed`, not a buffer) that `.to` leaves in float32, and a
+    float32 centroid would make the first convolution's input float32: cast it too."""
+    copied = copy.deepcopy(codec).to(torch.bfloat16)
+    for module in copied.modules():
+        if isinstance(getattr(module, "_embed", None), torch.Tensor):
+            module._embed = module._embed.to(torch.bfloat16)
+    return copied
 
 
 @dataclass
@@ -68,15 +89,24 @@ class ChunkCodec:
         padded: bool | None = None,
         kv: str = "gather",
         attention: str = "sdpa",
+        precision: str = "fp32",
     ) -> None:
         self.vocab = model.vocab
+        if precision not in CODEC_PRECISIONS:
+            raise ValueError(f"codec precision {precision!r}: one of {', '.join(CODEC_PRECISIONS)}")
+        if precision == "tf32" and model.device.type != "cuda":
+            raise ValueError("codec precision 'tf32' is a CUDA matmul mode (the CPU has none)")
+        self.precision = precision
+        codec = model.codec
+        if precision == "bf16":  # a copy: the model's own float32 decoder stays as it is
+            codec = bfloat16_copy(codec)
         ring_attention = None
         if attention == "triton":  # each row's ring read in place (CUDA; kv ring)
             from orchestrate.techniques.rumik.kernels.ring_attention import ring_attention
         elif attention != "sdpa":
             raise ValueError(f"codec attention {attention!r}: one of sdpa, triton")
         self.stream = MimiStream(
-            model.codec, rows, kv=kv, max_frames=chunk_frames, ring_attention=ring_attention
+            codec, rows, kv=kv, max_frames=chunk_frames, ring_attention=ring_attention
         )
         self.device = self.stream.device
         cuda = self.device.type == "cuda"
@@ -90,13 +120,32 @@ class ChunkCodec:
         self.graphs: dict[int, CodecGraph] = {}
 
     def described(self) -> str:
+        precision = {
+            "fp32": "float32 (TF32 convolutions)",
+            "tf32": "float32 with TF32 convolutions and matmuls (APPROXIMATE)",
+            "bf16": "a bfloat16 copy of the decoder (APPROXIMATE)",
+        }[self.precision]
         if not self.padded:
-            return "each chunk length's rows decoded together, eagerly"
+            return f"each chunk length's rows decoded together, eagerly, {precision}"
         how = "its CUDA graph replayed" if self.graphs_on else "eagerly"
         return (
             f"{self.chunk_frames}-frame chunks padded to a row bucket "
-            f"({self.row_buckets[0]} to {self.row_buckets[-1]}), {how}"
+            f"({self.row_buckets[0]} to {self.row_buckets[-1]}), {how}, {precision}"
         )
+
+    @contextlib.contextmanager
+    def _matmul_mode(self) -> Iterator[None]:
+        """TF32 matmuls for the codec's launches (and captures) only: the flag is read on
+        the host as each kernel is chosen, so the decode steps around it keep theirs."""
+        if self.precision != "tf32":
+            yield
+            return
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
 
     @contextlib.contextmanager
     def _on_codec_stream(self) -> Iterator[None]:
@@ -136,7 +185,7 @@ class ChunkCodec:
         """Start decoding every queued chunk (sync: and wait for its audio); `paths` counts
         the decodes by how they ran: "graph", "padded" (a bucket's shapes, eager), "eager"."""
         for rows, upto, codes in self.queued:
-            with self._on_codec_stream():
+            with self._on_codec_stream(), self._matmul_mode():
                 audio, how = self._decode(rows, codes)
                 paths[how] = paths.get(how, 0) + 1
                 audio = audio.float()
@@ -170,6 +219,13 @@ class ChunkCodec:
         return g.audio[:n], "graph"
 
     @torch.inference_mode()
+    def decode_now(self, rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The next frames of `rows` as float32 audio, eagerly, on the current stream, at
+        this codec's precision (no queue, no graph: for measuring what precision changes)."""
+        with self._matmul_mode():
+            return self.stream.decode(rows.to(self.device), codes.to(self.device)).float()
+
+    @torch.inference_mode()
     def capture_all(self) -> int:
         """Every row bucket's decode graph (none unless graphed); returns how many."""
         if self.graphs_on:
@@ -185,7 +241,8 @@ class ChunkCodec:
         shape = (nb, self.vocab.num_quantizers, self.chunk_frames)
         codes = torch.zeros(shape, dtype=torch.long, device=self.device)
         pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
-        graph, audio = warm_and_capture(lambda: self.stream.decode(rows, codes), pool)
+        with self._matmul_mode():
+            graph, audio = warm_and_capture(lambda: self.stream.decode(rows, codes), pool)
         self.graphs[nb] = CodecGraph(graph, rows, codes, audio)
         return self.graphs[nb]
 

@@ -104,6 +104,13 @@ class BatchedDecodeParams(TechniqueParams):
         "read in place, no gather; needs codec_kv ring and CUDA; the same keys, the softmax "
         "summed in another order).",
     )
+    codec_precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32",
+        description="the codec's arithmetic: fp32 (Mimi as it ships: TF32 convolutions, "
+        "float32 matmuls), tf32 (matmuls on tensor cores too; APPROXIMATE; CUDA) or bf16 (a "
+        "bfloat16 copy of the decoder; APPROXIMATE). benchmarks/codec_bench.py measures "
+        "their audio against float32's.",
+    )
 
     @model_validator(mode="after")
     def _kernels_it_needs(self) -> BatchedDecodeParams:
@@ -134,8 +141,9 @@ class BatchedDecode(Technique):
     # window and SDPA); 8: `chunk_tokens` and `pipeline` (their defaults keep prompts
     # written apart and steps one after another), and
     # the attention kernel splits each row's positions across programs when a bucket has
-    # few rows (BatchedDecoder.splits: the same softmax summed in another order)
-    version = 8
+    # few rows (BatchedDecoder.splits: the same softmax summed in another order); 9:
+    # `codec_precision` (its default keeps the codec as Mimi ships it)
+    version = 9
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
@@ -162,6 +170,8 @@ class BatchedDecode(Technique):
             raise Refused("batched_decode with attention 'triton' needs a CUDA device")
         if params.codec_attention == "triton" and engine.model.device.type != "cuda":
             raise Refused("batched_decode with codec_attention 'triton' needs a CUDA device")
+        if params.codec_precision == "tf32" and engine.model.device.type != "cuda":
+            raise Refused("batched_decode with codec_precision 'tf32' needs a CUDA device")
 
         def build(
             engine: Engine,
@@ -186,6 +196,7 @@ class BatchedDecode(Technique):
                 codec_overlap=params.codec == "overlap",
                 codec_kv=params.codec_kv,
                 codec_attention=params.codec_attention,
+                codec_precision=params.codec_precision,
                 admit_every=params.admit_every,
                 kv=params.kv,
                 glue=params.glue,
