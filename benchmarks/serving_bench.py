@@ -77,12 +77,15 @@ def path_name(
     glue: str = "torch",
     chunk: int = 0,
     codec_precision: str = "fp32",
+    codec_every: int = 1,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
     glued = "_glue" if glue == "triton" else ""
-    return PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
+    every = f"_cev{codec_every}" if codec_every > 1 else ""
+    return (PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
+            + every)  # fmt: skip
 
 
 NOT_BUILT = [
@@ -167,6 +170,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "tf32 (its matmuls in TF32 too; APPROXIMATE; CUDA; paths suffixed _ctf32), bf16 (a "
         "bfloat16 copy of the decoder; APPROXIMATE; paths suffixed _cbf16); each approximate "
         "path's audio is compared with float32's (codec_vs_fp32)",
+    )
+    ap.add_argument(
+        "--codec-every",
+        default="1",
+        help="launch the codec every N decode steps, comma-separated, each a path (N > 1: "
+        "paths suffixed _cevN): the chunks completed meanwhile decoded together",
     )
     ap.add_argument(
         "--chunk-tokens",
@@ -393,8 +402,16 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         )
     if "tf32" in precisions and not cuda:
         raise LoadError("--codec-precision tf32 needs --device cuda (a CUDA matmul mode)")
-    if args.no_codec and precisions != ["fp32"]:
-        raise LoadError("--codec-precision with --no-codec: there is no codec to run")
+    try:
+        everies = [int(n) for n in args.codec_every.split(",")]
+    except ValueError:
+        everies = []
+    if not everies or min(everies) < 1:
+        raise LoadError(f"--codec-every {args.codec_every!r}: each a whole number, at least 1")
+    if args.no_codec and (precisions != ["fp32"] or everies != [1]):
+        raise LoadError(
+            "--codec-precision or --codec-every with --no-codec: there is no codec to run"
+        )
     if args.no_codec and args.codec != "sync":
         raise LoadError("--codec overlap with --no-codec: there is no codec to overlap")
     if args.admit_every < 1:
@@ -800,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
     runs = [
-        (a, c, p, kv, g, n, pipe == "on", cp)
+        (a, c, p, kv, g, n, pipe == "on", cp, ce)
+        for ce in map(int, args.codec_every.split(","))
         for cp in args.codec_precision.split(",")
         for pipe in args.pipeline.split(",")
         for n in map(int, args.chunk_tokens.split(","))
@@ -810,8 +828,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.codec.split(",")
         for a in args.attention.split(",")
     ]
-    for which, (attention, codec, proj, kv, glue, chunk, pipe, cp) in enumerate(runs):  # in turn
-        path = path_name(attention, codec, proj, kv, glue, chunk, cp) + ("_pipe" if pipe else "")
+    for which, (attention, codec, proj, kv, glue, chunk, pipe, cp, ce) in enumerate(runs):
+        path = path_name(attention, codec, proj, kv, glue, chunk, cp, ce) + ("_pipe" * pipe)
         fp8 = None
         if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
             fp8 = Fp8Packed(model, gemm="triton" if proj == "fp8_triton" else "cublas")
@@ -833,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
             codec_kv=args.codec_kv,
             codec_attention=args.codec_attention,
             codec_precision=cp,
+            codec_every=ce,
             projections=fp8,
             kv=kv,
             glue=glue,
@@ -849,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
             "chunk_tokens": chunk,
             "pipeline": pipe,
             "codec_precision": cp,
+            "codec_every": ce,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact

@@ -130,6 +130,40 @@ def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_fr
         assert np.abs(got - whole).max() <= 1e-5 * scale, req.key
 
 
+@pytest.mark.parametrize("overlap, pipeline", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("every", [3, 9])  # 9: a row completes two chunks between launches
+def test_a_codec_launched_every_n_steps_decodes_fewer_times_to_the_same_audio(
+    model, every, overlap, pipeline
+):
+    """codec_every=N: chunks completed over N steps decode together. Seven streams over three
+    rows, admitted one a step so rows complete their chunks at different steps, refilled
+    mid-run: the tokens are every-step's, each stream's audio is still Mimi's decode of its
+    whole sequence, and there are fewer decodes."""
+    reqs = [ServeRequest(k, prompt(model, TEXTS[k % 4]), 3 + k % 3, seed=k) for k in range(7)]
+    runs = []
+    for n in (1, every):
+        server = BatchedServer(model, 3, 256, TOPK, graphs=False, codec=True, keep_audio=True,
+                               codec_overlap=overlap, pipeline=pipeline, codec_every=n)  # fmt: skip
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting[:1]) :]  # one admission a step at most
+            server.step()
+        runs.append(server)
+    each, batched = runs
+    assert sorted(batched.tokens) == list(range(7))
+    assert sum(batched.stats.codec_decodes.values()) < sum(each.stats.codec_decodes.values())
+    for req in reqs:
+        assert batched.tokens[req.key] == each.tokens[req.key]
+        got = np.concatenate(batched.audio[req.key], axis=-1)
+        with torch.inference_mode():
+            codes = model.vocab.positional_codes(batched.tokens[req.key])
+            whole = model.codec.decode(codes).audio_values[0].numpy()
+        assert got.shape == whole.shape and np.abs(got - whole).max() <= 1e-5 * np.abs(whole).max()
+    assert "launched every" in batched.described()["codec"]
+    with pytest.raises(ServingError, match="codec_every must be at least 1"):
+        BatchedServer(model, 2, 256, TOPK, graphs=False, codec=True, codec_every=0)
+
+
 def test_padded_codec_decodes_give_the_unpadded_audio(model, monkeypatch):
     """Codec decodes padded to row buckets, as their CUDA graphs replay them (run eagerly
     here): 5 rows (buckets 1, 2, 4, 5), 8 streams of different lengths, so some decodes
@@ -500,18 +534,19 @@ def test_graphed_buckets_match_eager_on_gpu(dtype):
 
 
 def test_the_codecs_precision_reaches_the_server_and_leaves_the_models_codec(model):
-    """batched_decode's codec_precision (version 9): bf16 decodes with a bfloat16 copy (the
-    model's own Mimi stays float32 for everything else), tf32 is a CUDA matmul mode and is
-    refused on the CPU when the stack is applied."""
+    """batched_decode's codec_precision and codec_every (version 9): bf16 decodes with a
+    bfloat16 copy (the model's own Mimi stays float32 for everything else), tf32 is a CUDA
+    matmul mode and is refused on the CPU when the stack is applied."""
     from orchestrate.api.technique import Refused
 
-    def built(precision: str):
-        ref = TechniqueRef(name="batched_decode", params={"rows": 2, "codec_precision": precision})
+    def built(precision: str, every: int = 1):
+        params = {"rows": 2, "codec_precision": precision, "codec_every": every}
+        ref = TechniqueRef(name="batched_decode", params=params)
         return build_stack(StackSpec(name="codec-precision", family="rumik", techniques=[ref]))
 
-    engine = FAMILY.build_engine(model, built("bf16"))
+    engine = FAMILY.build_engine(model, built("bf16", every=4))
     server = engine.server(engine, 64, SamplingConfig(top_k=1), 1, rows=2)
-    assert server.codec.stream.dtype == torch.bfloat16
+    assert server.codec.stream.dtype == torch.bfloat16 and server.codec_every == 4
     assert next(model.codec.parameters()).dtype == torch.float32
     assert "bfloat16" in server.described()["codec"]
     with pytest.raises(Refused, match="codec_precision 'tf32' needs a CUDA device"):
@@ -699,6 +734,7 @@ def _bench():
         (["--codec-precision", "fp16"], "--codec-precision 'fp16': each one of fp32, tf32, bf16"),
         (["--codec-precision", "fp32,tf32"], "--codec-precision tf32 needs --device cuda"),
         (["--codec-precision", "bf16", "--no-codec"], "there is no codec to run"),
+        (["--codec-every", "1,0"], "--codec-every '1,0': each a whole number, at least 1"),
     ],
 )
 def test_benchmark_refuses_bad_loads_before_building(monkeypatch, capsys, argv, message):

@@ -180,11 +180,26 @@ class ChunkCodec:
             codes = self.vocab.positional_codes_rows(toks)
             self.queued.append((rows[sel], first[sel] + n, codes))
 
+    def _merged(self) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """The queue as few decodes as it can be: chunks of one length from different rows
+        (put by different steps) decode together. A row queued twice keeps its chunks in
+        order, in separate decodes (its second reads the state its first leaves)."""
+        out: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        for rows, upto, codes in self.queued:
+            for k, (r, u, c) in enumerate(out):
+                if c.shape[-1] == codes.shape[-1] and not np.intersect1d(r, rows).size:
+                    out[k] = (np.concatenate([r, rows]), np.concatenate([u, upto]),
+                              torch.cat([c, codes]))  # fmt: skip
+                    break
+            else:
+                out.append((rows, upto, codes))
+        return out
+
     @torch.inference_mode()
     def launch(self, paths: dict[str, int]) -> None:
         """Start decoding every queued chunk (sync: and wait for its audio); `paths` counts
         the decodes by how they ran: "graph", "padded" (a bucket's shapes, eager), "eager"."""
-        for rows, upto, codes in self.queued:
+        for rows, upto, codes in self._merged():
             with self._on_codec_stream(), self._matmul_mode():
                 audio, how = self._decode(rows, codes)
                 paths[how] = paths.get(how, 0) + 1

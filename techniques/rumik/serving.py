@@ -112,6 +112,15 @@ class BatchedDecodeParams(TechniqueParams):
         "their audio against float32's.",
     )
 
+    codec_every: int = Field(
+        1,
+        ge=1,
+        description="Launch the codec every N decode steps, the chunks completed meanwhile "
+        "decoded together (the same audio up to the batch's rounding; each chunk at most N-1 "
+        "steps later): a decode's cost is mostly its launches and their latency, not its "
+        "rows, so fewer, fuller decodes leave the GPU to the decode steps.",
+    )
+
     @model_validator(mode="after")
     def _kernels_it_needs(self) -> BatchedDecodeParams:
         if self.kv == "fp8" and self.attention != "triton":
@@ -142,7 +151,8 @@ class BatchedDecode(Technique):
     # written apart and steps one after another), and
     # the attention kernel splits each row's positions across programs when a bucket has
     # few rows (BatchedDecoder.splits: the same softmax summed in another order); 9:
-    # `codec_precision` (its default keeps the codec as Mimi ships it)
+    # `codec_precision` and `codec_every` (their defaults keep the codec as Mimi ships it,
+    # launched every step)
     version = 9
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
@@ -197,6 +207,7 @@ class BatchedDecode(Technique):
                 codec_kv=params.codec_kv,
                 codec_attention=params.codec_attention,
                 codec_precision=params.codec_precision,
+                codec_every=params.codec_every,
                 admit_every=params.admit_every,
                 kv=params.kv,
                 glue=params.glue,
