@@ -556,8 +556,10 @@ def test_the_codecs_precision_reaches_the_server_and_leaves_the_models_codec(mod
 @pytest.mark.gpu
 def test_an_approximate_codec_serves_the_same_tokens_and_nearby_audio_on_gpu():
     """tf32 and bf16 codecs, graphed on the side stream beside pipelined steps: the tokens
-    are fp32's (the codec does not feed the decoder), the audio moves by rounding only
-    (measured: within 5% of the peak) and does move (the precision is in effect)."""
+    are fp32's (the codec does not feed the decoder) and the audio moves by rounding only
+    (within 5% of the peak); bf16's does move (the copy is in effect). tf32's may not: the
+    tiny codec's matmuls (32 and 64 wide) stay on cuBLAS's SIMT kernels even with TF32
+    allowed (measured on an H200: identical audio); ChunkCodec's flag is checked instead."""
     gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="float32"))
     reqs = [
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
@@ -579,7 +581,12 @@ def test_an_approximate_codec_serves_the_same_tokens_and_nearby_audio_on_gpu():
             a = np.concatenate(runs["fp32"].audio[req.key], axis=-1)
             b = np.concatenate(runs[precision].audio[req.key], axis=-1)
             err = np.abs(a - b).max() / np.abs(a).max()
-            assert a.shape == b.shape and 0 < err <= 0.05, (precision, req.key, err)
+            moved = err > 0 if precision == "bf16" else err >= 0
+            assert a.shape == b.shape and moved and err <= 0.05, (precision, req.key, err)
+    codec = runs["tf32"].codec
+    with codec._matmul_mode():
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert not torch.backends.cuda.matmul.allow_tf32
 
 
 @pytest.mark.gpu
