@@ -554,39 +554,43 @@ def test_the_codecs_precision_reaches_the_server_and_leaves_the_models_codec(mod
 
 
 @pytest.mark.gpu
-def test_an_approximate_codec_serves_the_same_tokens_and_nearby_audio_on_gpu():
-    """tf32 and bf16 codecs, graphed on the side stream beside pipelined steps: the tokens
-    are fp32's (the codec does not feed the decoder) and the audio moves by rounding only
-    (within 5% of the peak); bf16's does move (the copy is in effect). tf32's may not: the
-    tiny codec's matmuls (32 and 64 wide) stay on cuBLAS's SIMT kernels even with TF32
-    allowed (measured on an H200: identical audio); ChunkCodec's flag is checked instead."""
+def test_an_approximate_codec_serves_nearby_audio_on_gpu(monkeypatch):
+    """tf32 and bf16 codecs, graphed on the side stream beside pipelined steps: each stream's
+    audio is Mimi's whole-sequence float32 decode of its own tokens within 5% of its peak
+    (rounding, not a broken state), and bf16's is further from it than fp32's on every
+    stream (the copy is in effect). tf32's may equal fp32's: the tiny codec's matmuls (32
+    and 64 wide) stay on cuBLAS's SIMT kernels with TF32 allowed (measured on an H200), so
+    ChunkCodec's flag is checked instead. Tokens are not compared across runs: a refill's
+    step depends on when audio is ready, and GPU float32 logits on the batch's bucket."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     gpu_model = FAMILY.build_model(ModelSpec(preset="tiny", device="cuda", dtype="float32"))
     reqs = [
         ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
     ]
-    runs = {}
+    errors: dict[str, list[float]] = {}
     for precision in ("fp32", "tf32", "bf16"):
         server = BatchedServer(
             gpu_model, 2, 256, TOPK, graphs=True, codec=True, keep_audio=True,
-            codec_overlap=True, codec_precision=precision,
+            codec_overlap=True, pipeline=True, codec_precision=precision,
         )  # fmt: skip
         server.warm_up()
         records, _ = drive(server, reqs, [0.0] * 4, [r.frames for r in reqs], time_limit_s=120)
         assert all(r.done and len(r.frame_ready_s) == r.frames for r in records)
-        runs[precision] = server
-    assert not torch.backends.cuda.matmul.allow_tf32  # restored after the tf32 codec's work
-    for precision in ("tf32", "bf16"):
-        assert runs[precision].tokens == runs["fp32"].tokens
         for req in reqs:
-            a = np.concatenate(runs["fp32"].audio[req.key], axis=-1)
-            b = np.concatenate(runs[precision].audio[req.key], axis=-1)
-            err = np.abs(a - b).max() / np.abs(a).max()
-            moved = err > 0 if precision == "bf16" else err >= 0
-            assert a.shape == b.shape and moved and err <= 0.05, (precision, req.key, err)
-    codec = runs["tf32"].codec
-    with codec._matmul_mode():
-        assert torch.backends.cuda.matmul.allow_tf32
-    assert not torch.backends.cuda.matmul.allow_tf32
+            got = np.concatenate(server.audio[req.key], axis=-1)
+            with torch.inference_mode():
+                codes = gpu_model.vocab.positional_codes(server.tokens[req.key])
+                whole = gpu_model.codec.decode(codes).audio_values[0].cpu().numpy()
+            assert got.shape == whole.shape, (precision, req.key)
+            errors.setdefault(precision, []).append(
+                float(np.abs(got - whole).max() / np.abs(whole).max())
+            )
+        if precision == "tf32":
+            with server.codec._matmul_mode():
+                assert torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cuda.matmul.allow_tf32  # restored
+    assert max(max(e) for e in errors.values()) <= 0.05, errors
+    assert all(b > f for b, f in zip(errors["bf16"], errors["fp32"], strict=True)), errors
 
 
 @pytest.mark.gpu
