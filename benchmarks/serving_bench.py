@@ -1056,6 +1056,7 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     (levels recorded before phases were timed are left out)."""
     levels = [lv for lv in doc["levels"] if lv.get("phase_ms_per_step") and "error" not in lv]
     paths = list(dict.fromkeys(lv["path"] for lv in levels))  # in the order they ran
+    labels, _ = curve_styles(doc)
     xs = sorted({level_key(lv) for lv in levels}, key=lambda k: (k[0] == "s", int(k.strip("s"))))
     if not paths or not xs:
         ax.set_axis_off()
@@ -1089,10 +1090,35 @@ def phase_bars(ax: Any, doc: dict[str, Any]) -> None:
     ax.set_xticks(range(len(xs)), xs)
     ax.set(
         xlabel="streams (sN: sustained N)\nbars left to right: "
-        + ", ".join(f"{p} ({HATCH_NAMES[j % len(HATCHES)]})" for j, p in enumerate(paths)),
+        + ", ".join(
+            f"{labels[p][2]} ({HATCH_NAMES[j % len(HATCHES)]})" for j, p in enumerate(paths)
+        ),
         ylabel="ms per decode step",
         title="where a step goes (real time: under 10 ms)",
     )
+
+
+MARKERS = "o^DvPXh*p<>d"
+
+
+def curve_styles(doc: dict) -> tuple[dict[str, tuple[str, str, str]], str]:
+    """Every path the record has levels of, in order: its (marker style, colour, label), and
+    the name prefix all of ours share (left out of their labels: legends stay readable).
+    Baseline B keeps its dashed squares."""
+    names = list(dict.fromkeys(lv["path"] for lv in doc["levels"] if lv.get("path")))
+    ours = [n.split("_") for n in names if n != "baseline_b"]
+    shared: list[str] = []
+    for parts in zip(*ours, strict=False) if len(ours) > 1 else ():
+        if len(set(parts)) > 1 or len(shared) + 1 >= min(map(len, ours)):
+            break
+        shared.append(parts[0])
+    styles = {}
+    for k, name in enumerate(n for n in names if n != "baseline_b"):
+        label = name[len("_".join(shared)) + 1 :] if shared else name
+        styles[name] = (MARKERS[k % len(MARKERS)] + "-", f"C{(k + 2) % 10}", label)
+    if "baseline_b" in names:
+        styles["baseline_b"] = ("s--", "C1", "baseline_b")
+    return styles, "_".join(shared)
 
 
 def plot(src: Path, figure: str | None) -> int:
@@ -1108,18 +1134,8 @@ def plot(src: Path, figure: str | None) -> int:
         return 0
     doc = json.loads(src.read_text())
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4))
-    paths = (
-        ("ours", "o-", "C0"),
-        ("ours_triton", "^-", "C2"),
-        ("ours_overlap", "D-", "C4"),
-        ("ours_triton_overlap", "v-", "C5"),
-        ("ours_triton_fp8", "P-", "C3"),
-        ("ours_triton_overlap_fp8", "X-", "C6"),
-        ("ours_triton_overlap_kv8", "*-", "C7"),
-        ("ours_triton_overlap_fp8_kv8", "h-", "C8"),
-        ("baseline_b", "s--", "C1"),
-    )
-    for path, style, color in paths:
+    paths, shared = curve_styles(doc)
+    for path, (style, color, _) in paths.items():
         rows = sorted(
             (
                 lv
@@ -1132,12 +1148,13 @@ def plot(src: Path, figure: str | None) -> int:
             continue
         x = [lv["concurrency"] for lv in rows]
         ttfa = [None if lv["ttfa_p95_s"] is None else lv["ttfa_p95_s"] * 1e3 for lv in rows]
-        ax1.plot(x, ttfa, style, color=color, label=path)
-        ax2.plot(x, [lv["rtf_p50"] for lv in rows], style, color=color, label=f"{path} p50")
+        label = paths[path][2]
+        ax1.plot(x, ttfa, style, color=color, label=label)
+        ax2.plot(x, [lv["rtf_p50"] for lv in rows], style, color=color, label=f"{label} p50")
         ax2.plot(
-            x, [lv["steady_rtf_p95"] for lv in rows], ":", color=color, label=f"{path} steady p95"
+            x, [lv["steady_rtf_p95"] for lv in rows], ":", color=color, label=f"{label} steady p95"
         )
-    for path, style, color in paths:  # sustained levels: their window's figures, x = live
+    for path, (style, color, label) in paths.items():  # sustained: the window's, x = live
         sus = sorted(
             (
                 lv
@@ -1152,8 +1169,8 @@ def plot(src: Path, figure: str | None) -> int:
         win = [lv["sustained_window"] for lv in sus]
         ttfa = [None if w["ttfa_p95_s"] is None else w["ttfa_p95_s"] * 1e3 for w in win]
         kw = dict(color=color, marker=style[0], ls="--", mfc="none")
-        ax1.plot(x, ttfa, label=f"{path} sustained", **kw)
-        ax2.plot(x, [w["rtf_p50"] for w in win], label=f"{path} sustained p50", **kw)
+        ax1.plot(x, ttfa, label=f"{label} sustained", **kw)
+        ax2.plot(x, [w["rtf_p50"] for w in win], label=f"{label} sustained p50", **kw)
     ax1.axhline(200, color="grey", lw=0.8, ls=":")
     streams = "streams (together at t = 0; hollow, dashed: sustained, its window)"
     ax1.set(xlabel=streams, ylabel="TTFA p95 (ms)", title="time to first audio")
@@ -1162,12 +1179,13 @@ def plot(src: Path, figure: str | None) -> int:
     phase_bars(ax3, doc)
     for ax in (ax1, ax2, ax3):
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     env = doc["environment"]
     fig.suptitle(
         f"Rumik {doc['model']['preset']} serving on {env['device']} "
-        f"(torch {env['torch']}, {str(env.get('git_sha'))[:8]})",
+        f"(torch {env['torch']}, {str(env.get('git_sha'))[:8]})"
+        + (f"; every path of ours is {shared}_..." if shared else ""),
         fontsize=9,
     )
     fig.tight_layout()

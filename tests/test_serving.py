@@ -792,6 +792,21 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
     assert set(doc["ours"]["phases"]) >= set(doc["ours"]["paths"]["ours"]["phases"])  # defined
 
 
+def test_the_figure_draws_every_path_the_record_has():
+    """The figure's curves come from the record's paths (a fixed list once left every
+    suffixed path, _pipe, _glue, _chunkN, undrawn); ours are labelled by what tells them
+    apart, baseline B keeps its style."""
+    levels = [{"path": p} for p in ("ours_x_fp8_pipe", "ours_x_fp8_cev4_pipe", "baseline_b")]
+    styles, shared = _bench().curve_styles({"levels": levels})
+    assert shared == "ours_x_fp8"
+    assert {k: v[2] for k, v in styles.items()} == {
+        "ours_x_fp8_pipe": "pipe", "ours_x_fp8_cev4_pipe": "cev4_pipe", "baseline_b": "baseline_b"
+    }  # fmt: skip
+    assert styles["baseline_b"][0] == "s--" and len({v[1] for v in styles.values()}) == 3
+    alone, shared = _bench().curve_styles({"levels": [{"path": "ours_triton"}]})
+    assert alone["ours_triton"][2] == "ours_triton" and shared == ""
+
+
 def test_benchmark_bf16_codec_path_records_its_audio_against_fp32(tmp_path):
     import json
 
