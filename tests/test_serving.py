@@ -130,8 +130,10 @@ def test_each_streams_chunks_decode_to_its_whole_sequences_audio(model, chunk_fr
         assert np.abs(got - whole).max() <= 1e-5 * scale, req.key
 
 
-@pytest.mark.parametrize("overlap, pipeline", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("every", [3, 9])  # 9: a row completes two chunks between launches
+@pytest.mark.parametrize(
+    "every, overlap, pipeline",
+    [(3, False, False), (3, True, False), (9, True, True)],  # 9: two chunks of a row between
+)
 def test_a_codec_launched_every_n_steps_decodes_fewer_times_to_the_same_audio(
     model, every, overlap, pipeline
 ):
