@@ -194,6 +194,36 @@ def test_a_resume_budget_adds_to_what_the_exploration_spent(
     assert driven[-1] == Budget(seconds=None, jobs=1 + 2)
 
 
+def test_a_new_budget_for_an_exploration_its_patience_stopped_counts_patience_afresh(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exploration 59be54fef175 stopped on its patience (two of the eight were proposers that
+    failed on a name bug since fixed); `--resume ID --budget T` then stopped at once, the
+    budget given for nothing. Now patience counts from the resume; an interrupted
+    exploration's patience still carries over."""
+    from orchestrate.cli import explore as explore_cli
+
+    ex = explorer(store, tmp_path, [Ladder()], budget="1 job")
+    ex.run()
+    cands = store.get_exploration(ex.id)["candidates"]
+    assert cands, "the ladder proposed nothing"
+    monkeypatch.setattr(explore_cli, "_drive", lambda *a: None)
+    store.update_exploration(ex.id, status="INTERRUPTED", stop_reason="interrupted (Ctrl-C)")
+    explore_cli._resume(ex.id, None, None, None, False, False, store.url, True)
+    assert "patience_from" not in store.get_exploration(ex.id)["options"]
+    why = "patience: 8 proposals in a row without a gain above the noise bar"
+    store.update_exploration(ex.id, status="FINISHED", stop_reason=why)
+    explore_cli._resume(ex.id, "1 job", parse_budget("1 job"), None, False, False, store.url, True)
+    row = store.get_exploration(ex.id)
+    assert row["options"]["patience_from"] == max(c["seq"] for c in cands)
+    import orchestrate.explore.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "_since_gain", len)  # counts the candidates it is given
+    assert explorer(store, tmp_path, [Ladder()], exploration_id=ex.id).since_gain == 0
+    store.update_exploration(ex.id, options=row["options"] | {"patience_from": 0})
+    assert explorer(store, tmp_path, [Ladder()], exploration_id=ex.id).since_gain == len(cands)
+
+
 # -------------------------------------------------------------------------------- guards
 
 

@@ -130,7 +130,10 @@ def explore(
     ] = None,
     resume: Annotated[
         str | None,
-        typer.Option(help="Continue an interrupted exploration (id or prefix) where it stopped."),
+        typer.Option(
+            help="Continue an interrupted exploration (id or prefix) where it stopped; a "
+            "finished one goes on with a new --budget (patience counts afresh if it stopped it)."
+        ),
     ] = None,
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow as well as the database.")] = True,
     runs_dir: Annotated[
@@ -248,6 +251,12 @@ def _resume(
         )
     _same_hardware(row)
     options = row["options"] | ({"runs_dir": str(runs_dir)} if runs_dir else {})
+    if row["status"] == "FINISHED" and str(row["stop_reason"]).startswith("patience"):
+        # A new budget for an exploration its patience stopped: patience counts again from
+        # here (else the loop would stop at once, the budget given for nothing).
+        options["patience_from"] = max((c["seq"] for c in row["candidates"]), default=0)
+        if not as_json:
+            console.print(f"patience counts afresh: it stopped on it ({row['stop_reason']})")
     if parsed is not None:  # T more on top of what it spent, not T in all
         parsed = parsed.after(row["elapsed_s"], row["jobs"])
         options["budget"] = parsed.spec()

@@ -106,7 +106,9 @@ class Explorer:
         self.stack_seconds: list[float] = []  # per job: its seconds over its stacks
         self.clip_s: dict[str, float] = {}  # stack name -> seconds per clip, last measured
         self.extra_s: list[float] = []  # per job: seconds per stack beyond its clips
-        self.since_gain = _since_gain(row["candidates"])
+        # a resume that extended a finished exploration counts patience from there
+        after = row["options"].get("patience_from", 0)
+        self.since_gain = _since_gain([c for c in row["candidates"] if c["seq"] > after])
         self.profile: dict[str, float] = {}  # the champion's (state.profile_of)
         self.profiled: str | None = None  # the champion whose profile was measured
         self.hardware = row["hardware"]
