@@ -895,6 +895,35 @@ def test_the_audio_heads_server_is_within_stocks_tolerance(model):
     assert rec.sampler_tv <= rec.sampler_tv_bound
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{"attention": "triton"}, {"codec_kv": "ring", "codec_attention": "triton"},
+     {"codec_precision": "tf32"}],
+)  # fmt: skip
+def test_a_cuda_only_serving_option_is_refused_on_a_cpu_when_planned(tmp_path, params):
+    """A batched_decode option that picks a CUDA kernel or mode is a requirement of the
+    technique with those params (Technique.requirements), so planning on a CPU refuses it
+    before any model is built: strict, as a technique that cannot run here; otherwise the
+    stack has no server left, and the error says why. The defaults need nothing."""
+    from orchestrate.api.config import load_workload
+    from orchestrate.api.protocol import Protocol
+    from orchestrate.api.registry import StackError
+    from orchestrate.running.plan import plan_job
+
+    wl, cpu = load_workload("serve-smoke"), ModelSpec(preset="tiny")
+
+    def plan(p: dict, strict: bool):
+        ref = TechniqueRef(name="batched_decode", params={"rows": 4} | p)
+        stack = StackSpec(name="cuda-only", family="rumik", techniques=[ref])
+        return plan_job(cpu, wl, [stack], Protocol(), tmp_path, strict=strict)
+
+    with pytest.raises(StackError, match="'batched_decode' cannot run here: needs a CUDA"):
+        plan(params, strict=True)
+    with pytest.raises(StackError, match="batched_decode is skipped here: needs a CUDA device"):
+        plan(params, strict=False)
+    assert plan({}, strict=True).stacks[0].name == "cuda-only"
+
+
 def test_server_fidelity_sees_a_sampler_that_ignores_top_p(model):
     """Stock's sampler honours top_p; the server's draws top-k only. With top_p 0.5 the
     sampler check measures the difference, and the verdict fails on the sampler alone."""

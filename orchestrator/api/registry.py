@@ -218,7 +218,7 @@ def build_stack(
         accepted[ref.name] = params
         seen.append(ref.name)
 
-        why = _unmet(cls, caps) or _needs_skipped(cls, skipped)
+        why = _unmet(cls, params, caps) or _needs_skipped(cls, skipped)
         if why:
             if strict:
                 raise StackError(f"technique {ref.name!r} cannot run here: {why}")
@@ -228,10 +228,10 @@ def build_stack(
     return BuiltStack(spec, techniques, skipped)
 
 
-def _unmet(cls: type[Technique], caps: DeviceCaps | None) -> str | None:
+def _unmet(cls: type[Technique], params: TechniqueParams, caps: DeviceCaps | None) -> str | None:
     if caps is None:
         return None
-    reasons = [r for r in (caps.missing(req) for req in cls.requires) if r]
+    reasons = [r for r in (caps.missing(req) for req in cls.requirements(params)) if r]
     return "; ".join(reasons) or None
 
 

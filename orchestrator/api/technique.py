@@ -95,6 +95,13 @@ class Technique(abc.ABC):
         return None
 
     @classmethod
+    def requirements(cls, params: TechniqueParams) -> tuple[str, ...]:
+        """What it needs with these params: `requires`, and more where a parameter picks a
+        kernel (a Triton path needs "cuda"); checked when the stack is planned, before any
+        model is built."""
+        return cls.requires
+
+    @classmethod
     def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
         """Why this technique cannot run `workload` with these params (a serving load
         beyond its rows, say); checked when the job is planned, before any model is built."""

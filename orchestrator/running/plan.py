@@ -17,7 +17,7 @@ from orchestrate.api import sealed
 from orchestrate.api.config import ModelSpec, StackSpec, Workload
 from orchestrate.api.protocol import Protocol
 from orchestrate.api.records import JobSpec
-from orchestrate.api.registry import StackError, build_stack, get_family, technique_code
+from orchestrate.api.registry import StackError, build_stack, get, get_family, technique_code
 from orchestrate.api.technique import BuiltStack, DeviceCaps
 from orchestrate.running.environment import code_state
 from orchestrate.running.serving import LoadError, load_shape
@@ -89,11 +89,17 @@ def check_serving(stack: str, built: BuiltStack, workload: Workload) -> None:
             "workload, e.g. --workload serve-smoke"
         )
     if workload.load is not None and not servers:
+        skipped = "; ".join(
+            f"{name} is skipped here: {why}"
+            for name, why in built.skipped.items()
+            if get(name).serves_streams
+        )
         raise StackError(
             f"stack {stack!r} cannot serve workload {workload.name!r} "
-            f"({workload.load.label()}): it has no technique that serves many streams "
-            "(rumik: batched_decode; omnivoice: batched_requests)"
-        )
+            f"({workload.load.label()}): "
+            + (skipped or "it has no technique that serves many streams (rumik: "
+               "batched_decode; omnivoice: batched_requests)")
+        )  # fmt: skip
     for technique in built.techniques:
         why = technique.check_workload(technique.params, workload)
         if why:

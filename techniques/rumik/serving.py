@@ -162,6 +162,15 @@ class BatchedDecode(Technique):
     Params = BatchedDecodeParams
 
     @classmethod
+    def requirements(cls, params: TechniqueParams) -> tuple[str, ...]:
+        assert isinstance(params, BatchedDecodeParams)
+        # Triton kernels and TF32 matmuls exist only on CUDA (glue and kv fp8 need triton
+        # attention, so they are covered)
+        triton = "triton" in (params.attention, params.codec_attention)
+        cuda = triton or params.codec_precision == "tf32"
+        return cls.requires + (("cuda",) if cuda else ())
+
+    @classmethod
     def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
         assert isinstance(params, BatchedDecodeParams)
         if why := beyond_rows(workload, params.rows, "streams", "cache rows"):
