@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,8 +230,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="SKIP:STEPS",
         help="run each of our levels a second time, recording the GPU's activity over STEPS "
-        "decode steps after its first SKIP: busy time per stream and the top kernels "
-        "(gpu_profile); the level's figures are the first, unprofiled run's",
+        "decode steps after its first SKIP (or SKIP 'window': from a sustained level's "
+        "window, once its load is up; other levels from their first step): busy time per "
+        "stream and the top kernels (gpu_profile); the level's figures are the first, "
+        "unprofiled run's",
     )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
@@ -367,11 +370,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         if not cuda:  # no activity would read as an idle GPU
             raise LoadError("--profile-gpu records GPU activity: it needs --device cuda")
         try:
-            skip, steps = (int(x) for x in args.profile_gpu.split(":"))
+            skip, steps = profile_window(args.profile_gpu)
         except ValueError as exc:
-            msg = f"--profile-gpu {args.profile_gpu!r}: SKIP:STEPS, two integers"
+            msg = f"--profile-gpu {args.profile_gpu!r}: SKIP:STEPS, two integers (or window:STEPS)"
             raise LoadError(msg) from exc
-        if skip < 0 or steps < 1:
+        if (skip < 0 and not args.profile_gpu.startswith("window:")) or steps < 1:
             raise LoadError(f"--profile-gpu {args.profile_gpu!r}: SKIP >= 0 and STEPS >= 1")
         if args.profile_host:  # one torch.profiler at a time
             raise LoadError("--profile-gpu and --profile-host: one profiler a run, not both")
@@ -500,11 +503,11 @@ def run_ours(
     args,
     limit_s: float,
     path: str = "ours",
-    gpu_window: tuple[int, int] | None = None,
+    gpu_window: tuple[int, int, float] | None = None,
 ):
-    """One level of our path. `gpu_window` (SKIP, STEPS): record the GPU's activity over
-    those steps (`gpu_profile`); the profiler's stop stalls the loop, so main() runs such a
-    level again for its profile alone, after the measured run."""
+    """One level of our path. `gpu_window` (SKIP, STEPS, AFTER_S; profile_start): record
+    the GPU's activity over those steps (`gpu_profile`); the profiler's stop stalls the
+    loop, so main() runs such a level again for its profile alone, after the measured run."""
     from orchestrate.techniques.rumik.batched_server import ServeRequest
 
     times = arrivals(load, args.seed)
@@ -554,6 +557,21 @@ def run_ours(
     return level
 
 
+def profile_window(value: str) -> tuple[int, int]:
+    """--profile-gpu's (SKIP, STEPS); SKIP "window" is -1 (profile_start says where)."""
+    skip, steps = value.split(":")
+    return (-1 if skip == "window" else int(skip)), int(steps)
+
+
+def profile_start(value: str, load: Load | None) -> tuple[int, int, float]:
+    """(SKIP, STEPS, AFTER_S) of a level's profiled run: SKIP "window" starts at the first
+    step once the level's sustained window opens (AFTER_S seconds in; 0 for other loads)."""
+    skip, steps = profile_window(value)
+    if skip >= 0:
+        return skip, steps, 0.0
+    return 0, steps, float(getattr(load, "window_from_s", None) or 0.0)
+
+
 def measured_level(
     server, load: Load, prompt: list[int], frames: int, args, deadline: float, path: str
 ) -> dict[str, Any]:
@@ -561,7 +579,7 @@ def measured_level(
     `gpu_profile` alone (a failure there is recorded in it; the measured level stands)."""
     level = run_ours(server, load, prompt, frames, args, deadline - time.perf_counter() - 2.0, path)
     if args.profile_gpu:
-        window = tuple(int(x) for x in args.profile_gpu.split(":"))
+        window = profile_start(args.profile_gpu, load)
         try:
             again = run_ours(
                 server, load, prompt, frames, args, deadline - time.perf_counter() - 2.0, path,
@@ -576,10 +594,20 @@ def measured_level(
 
 class ProfiledSteps:
     """A server whose decode steps `skip` to `skip + steps` run under `device_activity`
-    (the level's steady part, not its ramp); everything else passes through."""
+    (the level's steady part, not its ramp); with `after_s`, from the first step at least
+    that long after the level's first; everything else passes through."""
 
-    def __init__(self, server: Any, skip: int, steps: int) -> None:
-        self.server, self.skip, self.steps = server, skip, steps
+    def __init__(
+        self,
+        server: Any,
+        skip: int,
+        steps: int,
+        after_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.server, self.skip, self.steps, self.after_s = server, skip, steps, after_s
+        self.clock = clock
+        self.t0: float | None = None  # the level's first step
         self.done = 0
         self.profiling: contextlib.ExitStack | None = None
         self.activity: list[tuple[str, int, int, int]] = []
@@ -587,12 +615,17 @@ class ProfiledSteps:
         self.wall_s = 0.0
         self.started = 0.0
         self.live_seen: list[int] = []
+        self.first = skip  # the step it started at
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.server, name)
 
     def step(self) -> Any:
-        if self.done == self.skip and self.profiling is None and not self.profiled:
+        now = self.clock()
+        self.t0 = now if self.t0 is None else self.t0
+        due = self.done >= self.skip and now - self.t0 >= self.after_s
+        if due and self.profiling is None and not self.profiled:
+            self.first = self.done
             self.profiling = contextlib.ExitStack()
             self.activity = self.profiling.enter_context(device_activity())
             self.started = time.perf_counter()
@@ -614,7 +647,9 @@ class ProfiledSteps:
             self.profiling = None
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"first_step": self.skip, "steps": self.profiled}
+        out: dict[str, Any] = {"first_step": self.first, "steps": self.profiled}
+        if self.after_s:
+            out["after_s"] = self.after_s
         if not self.profiled:
             return {**out, "note": f"the level made {self.done} steps: none profiled"}
         times = kernel_time(self.activity)
@@ -804,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_gpu:
         doc["definitions"]["gpu_profile"] = (
             "--profile-gpu SKIP:STEPS: every kernel, copy and set the GPU ran (CUPTI, graph "
-            "replays included) over decode steps SKIP to SKIP+STEPS of a second run of the "
+            "replays included) over decode steps SKIP to SKIP+STEPS (SKIP window: from the first "
+            "step once a sustained level's window opens, after_s in) of a second run of the "
             "level, after the measured one (the level's other figures are that first run's, "
             "unprofiled); wall_ms from "
             "the first profiled step's launch to the window's last work done; busy_ms the union "

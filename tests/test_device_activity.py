@@ -95,6 +95,26 @@ def test_only_the_window_of_steps_is_profiled(monkeypatch: pytest.MonkeyPatch):
     assert g["streams"]["3"]["events"] == 4 and g["busy_fraction"] > 0
 
 
+def test_a_window_profile_starts_once_the_sustained_window_opens(monkeypatch):
+    """--profile-gpu window:STEPS: a sustained level's profile starts at the first step
+    after its window opens (one stream's length in: the load is up), not at a step count
+    that may fall in the ramp (the H200 profile at 400 steps saw 106 of 350 streams live)."""
+    from orchestrate.running.serving import Load
+
+    bench, server = _bench(), _Server()
+    monkeypatch.setattr(bench, "device_activity", _fake_activity(server))
+    sustained = Load(rate=50.0, duration_s=16.0, live=320, window_from_s=6.4)
+    assert bench.profile_start("window:20", sustained) == (0, 20, 6.4)
+    assert bench.profile_start("window:20", Load(concurrency=8)) == (0, 20, 0.0)
+    assert bench.profile_start("30:20", sustained) == (30, 20, 0.0)
+    ticks = iter(range(1000))  # one second a step
+    window = bench.ProfiledSteps(server, 0, 3, after_s=6.4, clock=lambda: float(next(ticks)))
+    for _ in range(12):
+        window.step()
+    g = window.summary()
+    assert (g["first_step"], g["steps"], g["after_s"]) == (7, 3, 6.4)  # t = 7 s: the first
+
+
 class _Event:
     def __init__(self, key: int, frames_ready: int, done: bool) -> None:
         self.key, self.frames_ready, self.done = key, frames_ready, done
@@ -167,11 +187,14 @@ def test_a_level_shorter_than_the_skip_says_nothing_was_profiled(monkeypatch):
         ("ten", "SKIP:STEPS, two integers"),
         ("5", "SKIP:STEPS, two integers"),
         ("5:0", "SKIP >= 0 and STEPS >= 1"),
+        ("-1:5", "SKIP >= 0 and STEPS >= 1"),
+        ("windows:5", "two integers \\(or window:STEPS\\)"),
+        ("window:0", "SKIP >= 0 and STEPS >= 1"),
     ],
 )
 def test_a_malformed_window_is_refused(value: str, message: str):
     bench = _bench()
-    args = bench.parse(["--device", "cuda", "--profile-gpu", value])
+    args = bench.parse(["--device", "cuda", f"--profile-gpu={value}"])
     with pytest.raises(bench.LoadError, match=message):
         bench.plan(args)
 
@@ -229,7 +252,7 @@ def test_the_profile_comes_from_a_second_run_and_the_figures_from_the_first(monk
     deadline = time.perf_counter() + 60
     fail = False
     level = bench.measured_level(_Cleared(), None, [], 1, args, deadline, "ours")
-    assert calls == [None, (10, 20)]
+    assert calls == [None, (10, 20, 0.0)]
     assert level == {"path": "ours", "served": 7, "gpu_profile": {"steps": 20}}
     fail, server = True, _Cleared()
     level = bench.measured_level(server, None, [], 1, args, deadline, "ours")
