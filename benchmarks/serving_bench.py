@@ -17,6 +17,13 @@ is rewritten after every level, so a run stopped by its time limit keeps what it
     python benchmarks/serving_bench.py --device cpu --model tiny --out /tmp/serving.json
     python benchmarks/serving_bench.py --plot serving.json [--figure serving.png]
 
+Our paths are the product of the option lists (--attention sdpa,triton --codec sync,overlap
+...: four paths), or exactly those spelled out with --path (repeatable), e.g. a plain stack
+and our best in one run:
+
+    python benchmarks/serving_bench.py --device cuda --path attention=sdpa \
+        --path attention=triton,codec=overlap,glue=triton,kv=fp8,projections=fp8,codec_every=4
+
 Bad loads (concurrency 0, beyond the cache's rows, an arrival rate without a duration) exit
 2 with one line, before any model is built.
 """
@@ -68,6 +75,9 @@ KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXI
 GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact up to rounding)
 # --codec-precision: the codec's arithmetic (chunk_codec.py); tf32 and bf16 are APPROXIMATE
 CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
+# What one path of ours is (--path spells each out; otherwise the comma lists' product)
+PATH_KEYS = ("attention", "codec", "projections", "kv", "glue", "chunk_tokens", "pipeline",
+             "codec_kv", "codec_attention", "codec_precision", "codec_every")  # fmt: skip
 
 
 def path_name(
@@ -193,6 +203,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "overlap alone, or --no-codec)",
     )
     ap.add_argument(
+        "--path",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="one path of ours, its options spelled out (repeatable; instead of the product of "
+        "the comma lists): keys " + ", ".join(PATH_KEYS) + "; a key left out takes its "
+        "default, e.g. --path attention=sdpa --path attention=triton,codec=overlap,...",
+    )
+    ap.add_argument(
         "--admit-every",
         type=int,
         default=1,
@@ -268,12 +287,14 @@ CODEC_VS_FP32 = (
 
 
 @torch.inference_mode()
-def codec_vs_fp32(model, precision: str, args, rows: int = 8, frames: int = 25) -> dict:
+def codec_vs_fp32(
+    model, precision: str, kv: str, attention: str, args, rows: int = 8, frames: int = 25
+) -> dict:
     from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
 
     def audio(which: str) -> torch.Tensor:
-        codec = ChunkCodec(model, rows, False, chunk_frames=1, kv=args.codec_kv,
-                           attention=args.codec_attention, precision=which)  # fmt: skip
+        codec = ChunkCodec(model, rows, False, chunk_frames=1, kv=kv, attention=attention,
+                           precision=which)  # fmt: skip
         index = torch.arange(rows)
         gen = torch.Generator().manual_seed(args.seed)
         shape = (rows, model.codec.config.num_quantizers, frames)
@@ -359,11 +380,6 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         ]
     except ValueError as exc:
         raise LoadError(f"cannot read a level list: {exc}") from exc
-    unknown = [a for a in args.attention.split(",") if a not in PATHS]
-    if unknown or not args.attention:
-        raise LoadError(f"--attention {args.attention!r}: each one of {', '.join(PATHS)}")
-    if "triton" in args.attention.split(",") and not cuda:
-        raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
     if args.sync_sites and not cuda:  # an empty count would read as "none"
         raise LoadError("--sync-sites counts CUDA synchronisations: it needs --device cuda")
     if args.profile_gpu is not None:
@@ -378,6 +394,98 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
             raise LoadError(f"--profile-gpu {args.profile_gpu!r}: SKIP >= 0 and STEPS >= 1")
         if args.profile_host:  # one torch.profiler at a time
             raise LoadError("--profile-gpu and --profile-host: one profiler a run, not both")
+    specs = path_specs(args)
+    for ns in specs:
+        try:
+            check_path_options(ns, cuda)
+        except LoadError as exc:
+            raise LoadError(f"--path {ns.spec!r}: {exc}" if args.path else str(exc)) from None
+    names = [run_name(run) for ns in specs for run in spec_runs(ns)]
+    if len(set(names)) < len(names):  # two specs apart only in the codec's window or kernel
+        raise LoadError(f"two --path specs make the same path {names}: change one")
+    if args.batch1_vs:
+        if 1 not in levels:
+            raise LoadError("--batch1-vs compares at 1 stream: --levels must include 1")
+        from orchestrate.api.config import load_stack
+
+        try:
+            family = load_stack(args.batch1_vs).family
+        except Exception as exc:  # unknown or malformed: said before any model is built
+            raise LoadError(f"--batch1-vs: {exc}") from exc
+        if family != "rumik":
+            raise LoadError(f"--batch1-vs {args.batch1_vs} is a {family} stack, not rumik")
+    rows = args.rows if args.rows is not None else max(levels, default=0)
+    loads = [Load(concurrency=n) for n in levels]
+    loads += [Load(rate=r, duration_s=d) for r, d in poisson]
+    stream_s = (args.frames or (80 if cuda else 4)) * FRAME_S
+    loads += [sustained(n, d, stream_s) for n, d in sustains]
+    if not loads:
+        raise LoadError("no load levels given")
+    for load in loads:
+        check_load(load, rows)
+    for n in base:
+        check_load(Load(concurrency=n), 1 << 30)  # baseline B has no rows: only n >= 1
+    return loads, base, rows
+
+
+def path_specs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The options of our paths: `args` itself (its comma lists' product), or one namespace
+    per --path, each key it leaves out at its default (LoadError on a bad spec)."""
+    if not args.path:
+        return [args]
+    defaults = parse([])
+    given = [k for k in PATH_KEYS if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise LoadError(f"--path spells out each path: drop {flags} (or put it in the --path)")
+    specs = []
+    for text in args.path:
+        ns = argparse.Namespace(**vars(args), spec=text)
+        for item in filter(None, text.split(",")):
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in PATH_KEYS or not value.strip() or "," in value:
+                raise LoadError(f"--path {text!r}: KEY=VALUE pairs, each key one of "
+                                f"{', '.join(PATH_KEYS)}, one value each")  # fmt: skip
+            setattr(ns, key, value.strip())
+        specs.append(ns)
+    return specs
+
+
+def spec_runs(ns: argparse.Namespace) -> list[tuple]:
+    """Every path `ns` asks for: (attention, codec, projections, kv, glue, chunk tokens,
+    pipelined, codec precision, codec every, codec kv, codec attention), in run order."""
+    return [
+        (a, c, p, kv, g, n, pipe == "on", cp, ce, ns.codec_kv, ns.codec_attention)
+        for ce in map(int, ns.codec_every.split(","))
+        for cp in ns.codec_precision.split(",")
+        for pipe in ns.pipeline.split(",")
+        for n in map(int, ns.chunk_tokens.split(","))
+        for g in ns.glue.split(",")
+        for kv in ns.kv.split(",")
+        for p in ns.projections.split(",")
+        for c in ns.codec.split(",")
+        for a in ns.attention.split(",")
+    ]
+
+
+def run_name(run: tuple) -> str:
+    attention, codec, proj, kv, glue, chunk, pipe, cp, ce = run[:9]
+    return path_name(attention, codec, proj, kv, glue, chunk, cp, ce) + ("_pipe" * pipe)
+
+
+def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
+    """Our paths' options (the comma lists, or one --path's), each checked with the
+    others; LoadError names the first problem."""
+    unknown = [a for a in args.attention.split(",") if a not in PATHS]
+    if unknown or not args.attention:
+        raise LoadError(f"--attention {args.attention!r}: each one of {', '.join(PATHS)}")
+    if "triton" in args.attention.split(",") and not cuda:
+        raise LoadError("--attention triton needs --device cuda (a Triton kernel)")
+    if args.codec_kv not in ("gather", "ring"):
+        raise LoadError(f"--codec-kv {args.codec_kv!r}: gather or ring")
+    if args.codec_attention not in ("sdpa", "triton"):
+        raise LoadError(f"--codec-attention {args.codec_attention!r}: sdpa or triton")
     if not args.codec or any(c not in CODECS for c in args.codec.split(",")):
         raise LoadError(f"--codec {args.codec!r}: each one of {', '.join(CODECS)}")
     projections = args.projections.split(",")
@@ -432,29 +540,6 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         raise LoadError(f"--pipeline {args.pipeline!r}: off, on or off,on")
     if "on" in pipes and not args.no_codec and args.codec != "overlap":
         raise LoadError("--pipeline on needs --codec overlap alone (or --no-codec)")
-    if args.batch1_vs:
-        if 1 not in levels:
-            raise LoadError("--batch1-vs compares at 1 stream: --levels must include 1")
-        from orchestrate.api.config import load_stack
-
-        try:
-            family = load_stack(args.batch1_vs).family
-        except Exception as exc:  # unknown or malformed: said before any model is built
-            raise LoadError(f"--batch1-vs: {exc}") from exc
-        if family != "rumik":
-            raise LoadError(f"--batch1-vs {args.batch1_vs} is a {family} stack, not rumik")
-    rows = args.rows if args.rows is not None else max(levels, default=0)
-    loads = [Load(concurrency=n) for n in levels]
-    loads += [Load(rate=r, duration_s=d) for r, d in poisson]
-    stream_s = (args.frames or (80 if cuda else 4)) * FRAME_S
-    loads += [sustained(n, d, stream_s) for n, d in sustains]
-    if not loads:
-        raise LoadError("no load levels given")
-    for load in loads:
-        check_load(load, rows)
-    for n in base:
-        check_load(Load(concurrency=n), 1 << 30)  # baseline B has no rows: only n >= 1
-    return loads, base, rows
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -762,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             "sampler": "top-k via Gumbel-max with hashed per-row noise (same distribution "
             "as stock's top-k, other random stream)",
             "max_prefill_tokens": args.max_prefill_tokens,
-            "codec_kv": args.codec_kv,
-            "codec_attention": args.codec_attention,
+            "codec_kv": "per path (paths.*.codec_kv)" if args.path else args.codec_kv,
+            "codec_attention": "per path" if args.path else args.codec_attention,
             "admit_every": args.admit_every,
             "attention": {
                 "ours": "SDPA over the context bucket's positions with a per-row boolean mask",
@@ -852,20 +937,10 @@ def main(argv: list[str] | None = None) -> int:
         doc["batch1"] = single_stream(model, args.batch1_vs, prompt, frames, sampling, args)
         doc["definitions"]["batch1"] = BATCH1
         write(out, doc)
-    runs = [
-        (a, c, p, kv, g, n, pipe == "on", cp, ce)
-        for ce in map(int, args.codec_every.split(","))
-        for cp in args.codec_precision.split(",")
-        for pipe in args.pipeline.split(",")
-        for n in map(int, args.chunk_tokens.split(","))
-        for g in args.glue.split(",")
-        for kv in args.kv.split(",")
-        for p in args.projections.split(",")
-        for c in args.codec.split(",")
-        for a in args.attention.split(",")
-    ]
-    for which, (attention, codec, proj, kv, glue, chunk, pipe, cp, ce) in enumerate(runs):
-        path = path_name(attention, codec, proj, kv, glue, chunk, cp, ce) + ("_pipe" * pipe)
+    runs = [run for ns in path_specs(args) for run in spec_runs(ns)]
+    for which, run in enumerate(runs):  # in turn
+        attention, codec, proj, kv, glue, chunk, pipe, cp, ce, codec_kv, codec_attention = run
+        path = run_name(run)
         fp8 = None
         if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
             fp8 = Fp8Packed(model, gemm="triton" if proj == "fp8_triton" else "cublas")
@@ -884,8 +959,8 @@ def main(argv: list[str] | None = None) -> int:
             attention=attention,
             codec_overlap=codec == "overlap",
             admit_every=args.admit_every,
-            codec_kv=args.codec_kv,
-            codec_attention=args.codec_attention,
+            codec_kv=codec_kv,
+            codec_attention=codec_attention,
             codec_precision=cp,
             codec_every=ce,
             projections=fp8,
@@ -905,11 +980,13 @@ def main(argv: list[str] | None = None) -> int:
             "pipeline": pipe,
             "codec_precision": cp,
             "codec_every": ce,
+            "codec_kv": codec_kv,
+            "codec_attention": codec_attention,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact
         if cp != "fp32" and not args.no_codec:
-            about["codec_vs_fp32"] = codec_vs_fp32(model, cp, args)
+            about["codec_vs_fp32"] = codec_vs_fp32(model, cp, codec_kv, codec_attention, args)
         mine = (
             doc["ours"]
             .setdefault("paths", {})
