@@ -139,6 +139,18 @@ class BatchedDecodeParams(TechniqueParams):
         return self
 
 
+def _cuda_options(params: TechniqueParams) -> list[str]:
+    """The options set that exist only on CUDA (Triton kernels, TF32 matmuls), as
+    "name 'value'"; glue triton and kv fp8 need attention triton, so it covers them."""
+    assert isinstance(params, BatchedDecodeParams)
+    picked = {
+        "attention": params.attention == "triton",
+        "codec_attention": params.codec_attention == "triton",
+        "codec_precision": params.codec_precision == "tf32",
+    }
+    return [f"{name} {getattr(params, name)!r}" for name, on in picked.items() if on]
+
+
 class BatchedDecode(Technique):
     name = "batched_decode"
     # 2: the `head` parameter (its default keeps version 1's codebook head); 3: `codec` and
@@ -163,12 +175,7 @@ class BatchedDecode(Technique):
 
     @classmethod
     def requirements(cls, params: TechniqueParams) -> tuple[str, ...]:
-        assert isinstance(params, BatchedDecodeParams)
-        # Triton kernels and TF32 matmuls exist only on CUDA (glue and kv fp8 need triton
-        # attention, so they are covered)
-        triton = "triton" in (params.attention, params.codec_attention)
-        cuda = triton or params.codec_precision == "tf32"
-        return cls.requires + (("cuda",) if cuda else ())
+        return cls.requires + (("cuda",) if _cuda_options(params) else ())
 
     @classmethod
     def check_workload(cls, params: TechniqueParams, workload: Workload) -> str | None:
@@ -185,12 +192,9 @@ class BatchedDecode(Technique):
     def apply(self, engine: Engine) -> None:
         params = self.params
         assert isinstance(params, BatchedDecodeParams)
-        if params.attention == "triton" and engine.model.device.type != "cuda":
-            raise Refused("batched_decode with attention 'triton' needs a CUDA device")
-        if params.codec_attention == "triton" and engine.model.device.type != "cuda":
-            raise Refused("batched_decode with codec_attention 'triton' needs a CUDA device")
-        if params.codec_precision == "tf32" and engine.model.device.type != "cuda":
-            raise Refused("batched_decode with codec_precision 'tf32' needs a CUDA device")
+        if engine.model.device.type != "cuda" and (cuda_only := _cuda_options(params)):
+            # planning refuses these first (requirements); an engine built directly is not
+            raise Refused(f"batched_decode with {cuda_only[0]} needs a CUDA device")
 
         def build(
             engine: Engine,
