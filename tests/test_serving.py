@@ -810,9 +810,13 @@ def test_paths_spelled_out_run_each_with_its_own_options(tmp_path):
     out = tmp_path / "p.json"
     argv = ["--device", "cpu", "--levels", "2", "--baseline-levels", "", "--frames", "2"]
     argv += ["--path", "attention=sdpa", "--path", "codec=overlap,codec_every=2,codec_kv=ring"]
+    argv += ["--path", "codec_precision=bf16"]
     assert _bench().main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [lv["path"] for lv in doc["levels"]] == ["ours", "ours_overlap_cev2"]
+    assert [lv["path"] for lv in doc["levels"]] == ["ours", "ours_overlap_cev2", "ours_cbf16"]
+    # a --path's approximate codec is measured and defined, though --codec-precision is fp32
+    assert "codec_vs_fp32" in doc["ours"]["paths"]["ours_cbf16"]
+    assert "codec_vs_fp32" in doc["definitions"]
     assert all("error" not in lv and lv["streams"] == 2 for lv in doc["levels"])
     paths = doc["ours"]["paths"]
     assert (paths["ours"]["codec"], paths["ours"]["codec_kv"]) == ("sync", "gather")
