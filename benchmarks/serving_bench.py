@@ -390,7 +390,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Load], list[int], int]:
         except ValueError as exc:
             msg = f"--profile-gpu {args.profile_gpu!r}: SKIP:STEPS, two integers (or window:STEPS)"
             raise LoadError(msg) from exc
-        if (skip < 0 and not args.profile_gpu.startswith("window:")) or steps < 1:
+        if (skip is not None and skip < 0) or steps < 1:
             raise LoadError(f"--profile-gpu {args.profile_gpu!r}: SKIP >= 0 and STEPS >= 1")
         if args.profile_host:  # one torch.profiler at a time
             raise LoadError("--profile-gpu and --profile-host: one profiler a run, not both")
@@ -642,17 +642,17 @@ def run_ours(
     return level
 
 
-def profile_window(value: str) -> tuple[int, int]:
-    """--profile-gpu's (SKIP, STEPS); SKIP "window" is -1 (profile_start says where)."""
+def profile_window(value: str) -> tuple[int | None, int]:
+    """--profile-gpu's (SKIP, STEPS); SKIP None for "window" (profile_start says where)."""
     skip, steps = value.split(":")
-    return (-1 if skip == "window" else int(skip)), int(steps)
+    return (None if skip == "window" else int(skip)), int(steps)
 
 
 def profile_start(value: str, load: Load | None) -> tuple[int, int, float]:
     """(SKIP, STEPS, AFTER_S) of a level's profiled run: SKIP "window" starts at the first
     step once the level's sustained window opens (AFTER_S seconds in; 0 for other loads)."""
     skip, steps = profile_window(value)
-    if skip >= 0:
+    if skip is not None:
         return skip, steps, 0.0
     return 0, steps, float(getattr(load, "window_from_s", None) or 0.0)
 
@@ -1224,13 +1224,14 @@ def curve_styles(doc: dict) -> tuple[dict[str, tuple[str, str, str]], str]:
         if len(set(parts)) > 1 or len(shared) + 1 >= min(map(len, ours)):
             break
         shared.append(parts[0])
+    prefix = "_".join(shared)
     styles = {}
     for k, name in enumerate(n for n in names if n != "baseline_b"):
-        label = name[len("_".join(shared)) + 1 :] if shared else name
+        label = name[len(prefix) + 1 :] if prefix else name
         styles[name] = (MARKERS[k % len(MARKERS)] + "-", f"C{(k + 2) % 10}", label)
     if "baseline_b" in names:
         styles["baseline_b"] = ("s--", "C1", "baseline_b")
-    return styles, "_".join(shared)
+    return styles, prefix
 
 
 def plot(src: Path, figure: str | None) -> int:
@@ -1247,7 +1248,7 @@ def plot(src: Path, figure: str | None) -> int:
     doc = json.loads(src.read_text())
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.4))
     paths, shared = curve_styles(doc)
-    for path, (style, color, _) in paths.items():
+    for path, (style, color, label) in paths.items():
         rows = sorted(
             (
                 lv
@@ -1260,7 +1261,6 @@ def plot(src: Path, figure: str | None) -> int:
             continue
         x = [lv["concurrency"] for lv in rows]
         ttfa = [None if lv["ttfa_p95_s"] is None else lv["ttfa_p95_s"] * 1e3 for lv in rows]
-        label = paths[path][2]
         ax1.plot(x, ttfa, style, color=color, label=label)
         ax2.plot(x, [lv["rtf_p50"] for lv in rows], style, color=color, label=f"{label} p50")
         ax2.plot(
