@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrate.api.device import device_activity, kernel_time, sync_sites
+from orchestrate.running import gc_watch
 from orchestrate.running.serving import (
     DEFINITIONS,
     Load,
@@ -253,6 +254,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "window, once its load is up; other levels from their first step): busy time per "
         "stream and the top kernels (gpu_profile); the level's figures are the first, "
         "unprofiled run's",
+    )
+    ap.add_argument(
+        "--gc",
+        default="on",
+        choices=("on", "freeze"),
+        help="Python's collector during our levels: on (as Python runs it) or freeze (the "
+        "heap alive when a level starts frozen out of its collections, gc.freeze); each "
+        "level records its collections either way (gc)",
     )
     ap.add_argument("--time-budget", type=float, default=400.0, help="seconds for the run")
     ap.add_argument("--seed", type=int, default=0)
@@ -609,6 +618,7 @@ def run_ours(
             prof = watch.enter_context(profile(activities=[ProfilerActivity.CPU]))
         if args.sync_sites:  # where the host waited for the GPU, by our source line
             syncs = watch.enter_context(sync_sites(Path(__file__).resolve().parents[1]))
+        collected = watch.enter_context(gc_watch.watch(freeze=args.gc == "freeze"))
         if gpu_window is not None:
             window = ProfiledSteps(server, *gpu_window)
             watch.callback(window.close)
@@ -630,6 +640,7 @@ def run_ours(
         mean_bucket_rows=st.step_rows / st.steps if st.steps else None,
         prefill_calls=st.prefills,
         buckets_used=sorted(st.buckets_used),
+        gc=collected.summary(),
     )
     if prof is not None:
         level["host_profile"] = host_profile(prof)

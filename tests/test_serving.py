@@ -416,6 +416,7 @@ def test_a_sustained_workload_reports_its_window_through_the_worker(model, tmp_p
     assert window["from_s"] == pytest.approx(0.32) and window["to_s"] == 0.8  # 4 frames of 80 ms
     assert metrics["serve.sustained_window.streams"] == window["streams"] >= 1
     assert window["live_mean"] > 0 and metrics["serve.sustained_window.live_max"] >= 1
+    assert doc["gc"]["frozen"] is False and set(doc["gc"]) == {"frozen", "gen0", "gen1", "gen2"}
 
 
 def test_a_server_without_its_codec_spends_nothing_there(model):
@@ -424,6 +425,29 @@ def test_a_server_without_its_codec_spends_nothing_there(model):
     drive(server, reqs, [0.0, 0.0], [2, 2], time_limit_s=60)
     spent = server.phase_seconds()
     assert spent["codec"] == 0 and spent["step"] > 0 and spent["prefill"] > 0
+
+
+def test_the_collector_watch_records_each_collection_and_unfreezes_the_heap():
+    """Each collection inside the block is recorded by generation, its pause measured; a
+    frozen heap is frozen only inside the block, and the callback leaves with it."""
+    import gc
+
+    from orchestrate.running import gc_watch
+
+    with gc_watch.watch() as seen:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    counts = seen.summary()
+    assert counts["gen0"]["count"] == 1 and counts["gen2"]["count"] == 2
+    assert 0 < counts["gen2"]["max_ms"] <= counts["gen2"]["total_ms"]
+    assert seen not in gc.callbacks
+    assert gc.get_freeze_count() == 0
+    with gc_watch.watch(freeze=True) as frozen:
+        assert gc.get_freeze_count() > 1000  # torch's and the test's objects, at least
+        gc.collect(2)
+    assert gc.get_freeze_count() == 0 and frozen.summary()["frozen"] is True
+    assert frozen.summary()["gen2"]["count"] == 1
 
 
 def test_underruns_are_counted_per_chunk():
@@ -797,6 +821,7 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
         if lv["path"] == "ours":  # where its step goes; baseline B is one generate() call
             assert lv["phase_ms_per_step"]["step"] > 0 and lv["phase_ms_per_step"]["codec"] > 0
     assert doc["environment"]["git_sha"] and doc["not_built"]
+    assert all(lv["gc"]["frozen"] is False for lv in doc["levels"] if lv["path"] == "ours")
     assert doc["ours"]["paths"]["ours"]["phases"] == ["prefill", "step", "codec", "host"]
     assert set(doc["ours"]["phases"]) >= set(doc["ours"]["paths"]["ours"]["phases"])  # defined
 

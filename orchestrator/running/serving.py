@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from orchestrate.running import gc_watch
+
 DEFINITIONS = {
     "ttfa_s": "time to first audio: ready time of the stream's first chunk (codec included "
     "where the codec runs) minus its arrival time (queueing and prefill included)",
@@ -49,6 +51,7 @@ DEFINITIONS = {
     "host work), in ms: p50, p95, p99 and max over the level (or the sustained window); a "
     "frame is 8 steps, so real time allows 10 ms a step on average, and a run of long "
     "steps makes the streams behind",
+    "gc": gc_watch.DEFINITION,
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
     "time outside them (the driver's loop, waiting for arrivals)",
@@ -268,9 +271,7 @@ def summarise(
 def _loop(trace: Sequence[tuple[float, int]], start: float, end: float) -> dict[str, Any]:
     """Percentiles of the driver's step-to-step gaps ending in [start, end] (DEFINITIONS'
     loop_ms), from the trace's timestamps; {} without a trace."""
-    gaps = [
-        1000 * (t1 - t0) for (t0, _), (t1, _) in itertools.pairwise(trace) if start < t1 <= end
-    ]
+    gaps = [1000 * (t1 - t0) for (t0, _), (t1, _) in itertools.pairwise(trace) if start < t1 <= end]
     if not gaps:
         return {}
     return {
@@ -352,11 +353,13 @@ def serve_stack(
         warm_s = time.perf_counter() - t0
         memory = setup.memory() if setup.memory is not None else None
         trace: list[tuple[float, int]] = []
-        records, wall_s = drive(
-            setup.server, setup.requests, arrived, setup.frames, load.time_limit_s,
-            live_trace=trace,
-        )  # fmt: skip
+        with gc_watch.watch() as collected:
+            records, wall_s = drive(
+                setup.server, setup.requests, arrived, setup.frames, load.time_limit_s,
+                live_trace=trace,
+            )  # fmt: skip
     level = summarise(records, setup.frame_s, load.chunk_frames, shape, trace)
+    level["gc"] = collected.summary()
     if setup.phases is not None:
         steps = int(getattr(getattr(setup.server, "stats", None), "steps", 0))
         level["steps"] = steps
