@@ -7,8 +7,9 @@ needs others (`after`) the champion lacks brings them along ("+graph_loop (with
 static_kv_cache, device_sampler)"): otherwise a loop that needs a cache is never tried
 from stock, and the largest single step of both write-ups is out of the ladder's reach.
 A technique whose step could not run on this device (refused at build: a missing package, a
-mode for CUDA only) is not proposed again on a later champion. A technique that conflicts
-with one the champion has takes its place ("+graph_loop (with
+mode for CUDA only) is not proposed again on a later champion, nor is a change that made an
+earlier champion slower beyond noise (`ExplorationState.lost_moves`). A technique that
+conflicts with one the champion has takes its place ("+graph_loop (with
 device_sampler; instead of cuda_graph)"): the write-ups went from a per-token CUDA graph to a
 captured decode loop, which a ladder that only adds would never reach. Decoding knobs
 (techniques claiming only `knob.*` slots) are left to `params`.
@@ -39,6 +40,7 @@ class Ladder(Proposer):
     def propose(self, state: ExplorationState, n: int) -> list[Proposal]:
         tried = state.tried_keys() | {technique_key(state.champion)}
         refused = state.refused_techniques()
+        lost = state.lost_moves()
         out = []
         for name in sorted(state.catalogue, key=lambda t: self.prior(state, t)):
             meta = state.catalogue[name]
@@ -59,6 +61,8 @@ class Ladder(Proposer):
             slots = ", ".join(meta["slots"] + meta["wraps"]) or "-"
             why = f"{kind}, slot {slots}: {meta['summary']}"
             change = graph.change(state.champion, stack, name, gone)
+            if change in lost:  # slower beyond noise on an earlier champion
+                continue
             out.append(Proposal(stack=stack, change=change, reason=why))
             if len(out) == n:
                 break

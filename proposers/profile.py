@@ -11,10 +11,10 @@ removes (both write-ups captured the step before they touched a kernel).
 Each proposal is the champion changed by one technique, as the ladder would make it: added,
 with what it needs (`after`) brought along; or in place of the one technique already filling
 its slot; or in place of those it conflicts with. Only techniques this device can run (none
-whose step was refused here before), never tried or pending in this round, and accepted by
-stack validation. Exact techniques come first (they need no
-quality gate). When nothing fits the costliest entry, the next one; an empty profile
-proposes nothing.
+whose step was refused here before), never tried or pending in this round, not a change
+that made an earlier champion slower beyond noise, and accepted by stack validation. Exact
+techniques come first (they need no quality gate). When nothing fits the costliest entry,
+the next one; an empty profile proposes nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ProfileProposer(Proposer):
         seen = {identity(s) for s in [*(t.stack for t in state.tried), *state.pending]}
         seen.add(identity(state.champion))
         captured = _captured(state)
+        lost = state.lost_moves()  # slower beyond noise on an earlier champion
         for key, ms in costs(state.profile):
             if key in captured:
                 continue
@@ -51,7 +52,7 @@ class ProfileProposer(Proposer):
                 if move is None:
                     continue
                 stack, change = move
-                if identity(stack) in seen or _invalid(stack):
+                if identity(stack) in seen or change in lost or _invalid(stack):
                     continue
                 seen.add(identity(stack))
                 reason = f"{_where(state.profile, key, ms)}; {name} {_verb(state, name, key)} it"

@@ -8,6 +8,7 @@ make each technique a chosen factor faster, and a fake gate: seconds each, deter
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -1129,6 +1130,20 @@ def test_a_step_refused_on_this_device_is_not_proposed_again_and_spends_no_patie
         {"status": "decided", "decision": "error", "reason": "failed: CUDA out of memory"},
     ]
     assert _since_gain(rows) == 2  # the drop and the crash; the two that never ran do not
+
+
+def test_the_ladder_does_not_repeat_a_change_that_was_slower_beyond_noise() -> None:
+    rumik = state.technique_catalogue("rumik")
+    root = StackSpec(name="stock", techniques=[])
+    view = ExplorationState("rumik", "cpu", ["cpu"], root, None, root, 1.05, rumik)
+    first = Ladder().propose(view, 1)[0]
+    older = StackSpec(name="older", techniques=[TechniqueRef(name="prompt_writes")])
+    slower = Tried(stack=older, change=first.change, proposer="ladder", decision="drop",
+                   reason="dev: 0.80x", vs_parent=0.8, vs_parent_hi=0.9)  # fmt: skip
+    later = dataclasses.replace(view, tried=[slower])
+    assert first.change not in [p.change for p in Ladder().propose(later, 20)]
+    even = dataclasses.replace(slower, vs_parent_hi=1.1)  # noise settles nothing: tried again
+    assert Ladder().propose(dataclasses.replace(view, tried=[even]), 1)[0].change == first.change
 
 
 def test_ladder_and_ablation_walk_the_technique_graph() -> None:

@@ -232,6 +232,28 @@ def test_pending_and_refused_here_are_not_proposed():
     assert [p.change for p in ProfileProposer().propose(gone, 5)] == ["+audio_head"]
 
 
+def test_a_change_slower_beyond_noise_is_not_made_again_on_a_later_champion():
+    """The H200 exploration from stock swapped cuda_graph for graph_loop on four champions
+    in a row, 0.81x to 0.89x each. A change whose paired CI lay wholly below 1 is not
+    proposed again; one whose CI reached 1 (no evidence either way) still is."""
+    champion = ["static_kv_cache", "device_sampler", "graph_loop"]
+    cuda = GPU
+    [swap] = ProfileProposer().propose(state(champion, {"decoder": 5.0}, caps=cuda), 1)
+    assert swap.change == "+cuda_graph (instead of graph_loop)"
+    earlier = StackSpec(name="older", techniques=[TechniqueRef(name="audio_head")])
+
+    def lost(hi: float) -> Tried:  # the same change, made on an earlier champion
+        return Tried(earlier, swap.change, "profile", "drop", "slower", vs_parent=0.85,
+                     vs_parent_hi=hi)  # fmt: skip
+
+    later = state([*champion, "decode_attention"], {"decoder": 5.0}, [lost(0.93)], cuda)
+    assert later.lost_moves() == {swap.change}
+    assert swap.change not in [p.change for p in ProfileProposer().propose(later, 5)]
+    unsure = state([*champion, "decode_attention"], {"decoder": 5.0}, [lost(1.02)], cuda)
+    assert unsure.lost_moves() == set()
+    assert [p.change for p in ProfileProposer().propose(unsure, 1)] == [swap.change]
+
+
 def test_empty_profile_proposes_nothing():
     assert ProfileProposer().propose(state([], {}), 5) == []
 

@@ -103,6 +103,7 @@ class Tried:
     headline_lo: float | None = None
     headline_hi: float | None = None
     vs_parent: float | None = None  # paired speedup against its parent, its latest job
+    vs_parent_hi: float | None = None  # that speedup's 95% CI upper bound
     quality: dict[str, float] = field(default_factory=dict)  # metric -> value, when scored
 
     @property
@@ -137,6 +138,13 @@ class ExplorationState:
             if t.refused_here and t.change.startswith("+")
         }
 
+    def lost_moves(self) -> set[str]:
+        """Changes ("+cuda_graph (instead of graph_loop)") that made a candidate slower than
+        its parent beyond noise (the paired CI's upper bound below 1): a proposer that makes
+        the same change on each new champion only spends jobs. The H200 exploration from
+        stock made that swap four times, 0.81x to 0.89x each (4 of its 25 candidates)."""
+        return {t.change for t in self.tried if t.vs_parent_hi is not None and t.vs_parent_hi < 1.0}
+
     def tried_keys(self) -> set[str]:
         """technique_key of every stack tried or pending (names aside: the loop names
         candidates), so a proposer asked again in the same round proposes something new."""
@@ -170,6 +178,7 @@ class ExplorationState:
                     "headline_lo": t.headline_lo,
                     "headline_hi": t.headline_hi,
                     "vs_parent": t.vs_parent,
+                    "vs_parent_hi": t.vs_parent_hi,
                     "quality": t.quality,
                 }
                 for t in self.tried

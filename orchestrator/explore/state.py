@@ -107,6 +107,7 @@ def tried_of(candidates: list[dict[str, Any]]) -> list[Tried]:
                 headline_lo=c["headline_lo"],
                 headline_hi=c["headline_hi"],
                 vs_parent=c["vs_parent"],
+                vs_parent_hi=c["vs_parent_hi"],
             )
         )
     return out
