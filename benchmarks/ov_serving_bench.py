@@ -47,7 +47,18 @@ DEFINITIONS = {
     "utterances_per_s": "requests / batch latency, the median over the timed batches",
     "audio_s_per_s": "audio seconds of the batch / its latency, the median over batches",
     "vs_concurrency_1": "utterances_per_s at this level / at concurrency 1, both medians",
+    "texts": "round r of a level of N requests speaks TEXTS[(r + i) % len(TEXTS)] for i < N: "
+    "every level speaks the same texts over its rounds (concurrency 1 one text a round)",
+    "gpu_profile": "--profile-gpu: one more batch of the level (round 0's texts), not timed, "
+    "under the profiler: every kernel, copy and set the GPU ran (CUPTI, graph replays "
+    "included), busy_ms the union over streams, busy_fraction that over the batch's wall "
+    "time, and the top kernels by summed time",
 }
+
+
+def batch_texts(n: int, r: int) -> list[str]:
+    """Round r's texts for a level of n requests (DEFINITIONS' texts)."""
+    return [TEXTS[(r + i) % len(TEXTS)] for i in range(n)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +69,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--levels", default="1,8,32", help="concurrency levels, comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="timed batches per level")
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument(
+        "--profile-gpu",
+        action="store_true",
+        help="after the timed rounds, one more batch a level under the profiler (gpu_profile)",
+    )
     ap.add_argument("--out", default="ov-serving.json")
     return ap.parse_args(argv)
 
@@ -74,6 +90,8 @@ def check(args: argparse.Namespace) -> list[int]:
         raise ValueError("--levels must include 1: every level is compared with concurrency 1")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.profile_gpu and args.device != "cuda":
+        raise ValueError("--profile-gpu records GPU activity: it needs --device cuda")
     return sorted(set(levels))
 
 
@@ -91,6 +109,24 @@ def summary(batches: list[Any], n: int) -> dict[str, Any]:
         "lm_s_median": statistics.median(b.lm_s for b in batches),
         "codec_s_median": statistics.median(b.codec_s for b in batches),
         "frames": batches[-1].frames,
+    }
+
+
+def profiled(family: Any, engine: Any, texts: list[str], seed: int, workload: Any) -> dict:
+    """One more batch under the profiler (DEFINITIONS' gpu_profile)."""
+    from orchestrate.api.device import device_activity, kernel_time
+
+    t0 = time.perf_counter()
+    with device_activity() as activity:
+        served = family.synthesize_many(engine, texts, seed, workload)
+    wall_ms = 1000 * (time.perf_counter() - t0)
+    times = kernel_time(activity, top=20)
+    return {
+        "wall_ms": wall_ms,
+        "lm_s": served.lm_s,
+        "codec_s": served.codec_s,
+        "busy_fraction": times["busy_ms"] / wall_ms,
+        **times,
     }
 
 
@@ -125,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         prompts=[Prompt(id=f"t{i}", text=t) for i, t in enumerate(TEXTS)],
         seeds=[args.seed],
     )
-    texts = {n: [TEXTS[i % len(TEXTS)] for i in range(n)] for n in levels}
     doc: dict[str, Any] = {
         "issue": 34,
         "what": "OmniVoice serving: N requests of different texts in one batch",
@@ -144,18 +179,23 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [],
     }
     out = Path(args.out)
-    for n in levels:  # untimed: compiles, graph captures and allocator growth per shape
-        t0 = time.perf_counter()
-        family.synthesize_many(engine, texts[n], args.seed, workload)
+    for n in levels:  # untimed: compiles, graph captures and allocator growth per shape,
+        t0 = time.perf_counter()  # each batch of texts the timed rounds will make once
+        batches = {tuple(sorted(batch_texts(n, r))): r for r in range(args.repeats)}
+        for r in batches.values():
+            family.synthesize_many(engine, batch_texts(n, r), args.seed, workload)
         doc["warm_up_s"][str(n)] = time.perf_counter() - t0
     timed: dict[int, list[Any]] = {n: [] for n in levels}
     for r in range(args.repeats):  # levels interleaved round by round
         for n in levels:
-            timed[n].append(family.synthesize_many(engine, texts[n], args.seed + r, workload))
+            texts = batch_texts(n, r)
+            timed[n].append(family.synthesize_many(engine, texts, args.seed + r, workload))
     base = summary(timed[1], 1)["utterances_per_s"]
     for n in levels:
         level = summary(timed[n], n)
         level["vs_concurrency_1"] = level["utterances_per_s"] / base
+        if args.profile_gpu:
+            level["gpu_profile"] = profiled(family, engine, batch_texts(n, 0), args.seed, workload)
         doc["levels"].append(level)
         print(
             f"concurrency {n:3}: {level['utterances_per_s']:.3g} utterances/s "

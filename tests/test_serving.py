@@ -888,27 +888,65 @@ def test_benchmark_bf16_codec_path_records_its_audio_against_fp32(tmp_path):
         (["--levels", "1,0"], "at least 1"),
         (["--levels", "1,x"], "cannot read --levels"),
         (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--profile-gpu"], "needs --device cuda"),
     ],
 )
 def test_omnivoice_serving_bench_refuses_bad_levels_before_building(
     monkeypatch, capsys, argv, message
 ):
-    import importlib.util
-    from pathlib import Path
-
     import orchestrate.api.registry as registry
 
     def no_model(*a, **k):
         raise AssertionError("a model was built")
 
     monkeypatch.setattr(registry, "get_family", no_model)
+    mod = _ov_bench(monkeypatch)
+    assert mod.main(["--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _ov_bench(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(bench))
     spec = importlib.util.spec_from_file_location("ov_serving_bench", bench / "ov_serving_bench.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--device", "cpu", *argv]) == 2
-    assert message in capsys.readouterr().err
+    return mod
+
+
+def test_every_omnivoice_level_speaks_the_same_texts_over_its_rounds(monkeypatch, tmp_path):
+    """Concurrency 1 once spoke only the shortest text ("Hello there.") while 32 spoke all
+    of them: each level now rotates through the same texts round by round, and each batch
+    of texts a timed round makes was made once untimed first (its shapes compiled)."""
+    from conftest import require_or_skip
+
+    require_or_skip("omnivoice")
+    mod = _ov_bench(monkeypatch)
+    one = {frozenset(mod.batch_texts(1, r)) for r in range(len(mod.TEXTS))}
+    assert set().union(*one) == set(mod.TEXTS)
+    assert sorted(mod.batch_texts(8, 3)) == sorted(mod.TEXTS)
+    family = get_family("omnivoice")
+    made: list[tuple[str, ...]] = []
+    real = type(family).synthesize_many
+
+    def spy(self, engine, texts, seed, workload):
+        made.append(tuple(texts))
+        return real(self, engine, texts, seed, workload)
+
+    monkeypatch.setattr(type(family), "synthesize_many", spy)
+    out = tmp_path / "ov.json"
+    assert (
+        mod.main(["--device", "cpu", "--levels", "1,2", "--repeats", "2", "--out", str(out)]) == 0
+    )
+    warm, timed = made[:4], made[4:]
+    assert timed == [tuple(mod.batch_texts(n, r)) for r in range(2) for n in (1, 2)]
+    assert {tuple(sorted(t)) for t in warm} == {tuple(sorted(t)) for t in timed}
+    doc = json.loads(out.read_text())
+    assert [lv["batches"] for lv in doc["levels"]] == [2, 2]
+    assert doc["levels"][0]["vs_concurrency_1"] == 1.0 and "texts" in doc["definitions"]
 
 
 # ------------------------------------------------------------------ through the runner
