@@ -639,6 +639,8 @@ def run_ours(
         phase_ms_per_step=phase_breakdown(server.phase_seconds(), wall, st.steps),
         mean_bucket_rows=st.step_rows / st.steps if st.steps else None,
         prefill_calls=st.prefills,
+        chunk_prompt_tokens=st.chunk_tokens,
+        chunk_padding_tokens=st.chunk_padding,
         buckets_used=sorted(st.buckets_used),
         gc=collected.summary(),
     )
@@ -909,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
             "mean_step_ms": "level wall seconds / decode steps: prefill, codec and host work "
             "included (not the graph's GPU time alone)",
             "mean_bucket_rows": "rows stepped per decode step (the batch bucket, live or not)",
+            "chunk_prompt_tokens": "chunked prefill: prompt tokens the level's steps carried",
+            "chunk_padding_tokens": "chunked prefill: the padding their chunk buckets added "
+            "(extra rows of the step's projections, like prompt tokens)",
             "warm_up_s": "baseline B: the short generate() that compiles its step, untimed",
         },
         "not_built": NOT_BUILT,

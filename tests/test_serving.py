@@ -822,6 +822,7 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
             assert lv["phase_ms_per_step"]["step"] > 0 and lv["phase_ms_per_step"]["codec"] > 0
     assert doc["environment"]["git_sha"] and doc["not_built"]
     assert all(lv["gc"]["frozen"] is False for lv in doc["levels"] if lv["path"] == "ours")
+    assert all(lv["chunk_prompt_tokens"] == 0 for lv in doc["levels"] if lv["path"] == "ours")
     assert doc["ours"]["paths"]["ours"]["phases"] == ["prefill", "step", "codec", "host"]
     assert set(doc["ours"]["phases"]) >= set(doc["ours"]["paths"]["ours"]["phases"])  # defined
 
