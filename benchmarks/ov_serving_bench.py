@@ -47,8 +47,10 @@ DEFINITIONS = {
     "utterances_per_s": "requests / batch latency, the median over the timed batches",
     "audio_s_per_s": "audio seconds of the batch / its latency, the median over batches",
     "vs_concurrency_1": "utterances_per_s at this level / at concurrency 1, both medians",
-    "texts": "round r of a level of N requests speaks TEXTS[(r + i) % len(TEXTS)] for i < N: "
-    "every level speaks the same texts over its rounds (concurrency 1 one text a round)",
+    "texts": "round r of a level of N < len(TEXTS) requests speaks TEXTS[(r + i) % len(TEXTS)] "
+    "for i < N (concurrency 1: one text a round, each in turn); a level of N >= len(TEXTS) "
+    "speaks TEXTS[i % len(TEXTS)] every round, every text in each batch (the same order: a "
+    "new order is a new shape for the captured loop)",
     "gpu_profile": "--profile-gpu: one more batch of the level (round 0's texts), not timed, "
     "under the profiler: every kernel, copy and set the GPU ran (CUPTI, graph replays "
     "included), busy_ms the union over streams, busy_fraction that over the batch's wall "
@@ -58,7 +60,8 @@ DEFINITIONS = {
 
 def batch_texts(n: int, r: int) -> list[str]:
     """Round r's texts for a level of n requests (DEFINITIONS' texts)."""
-    return [TEXTS[(r + i) % len(TEXTS)] for i in range(n)]
+    start = r if n < len(TEXTS) else 0
+    return [TEXTS[(start + i) % len(TEXTS)] for i in range(n)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     for n in levels:  # untimed: compiles, graph captures and allocator growth per shape,
         t0 = time.perf_counter()  # each batch of texts the timed rounds will make once
-        batches = {tuple(sorted(batch_texts(n, r))): r for r in range(args.repeats)}
+        batches = {tuple(batch_texts(n, r)): r for r in range(args.repeats)}
         for r in batches.values():
             family.synthesize_many(engine, batch_texts(n, r), args.seed, workload)
         doc["warm_up_s"][str(n)] = time.perf_counter() - t0
