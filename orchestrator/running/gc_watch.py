@@ -3,13 +3,13 @@ that exists before it out of them.
 
 A collection of the oldest generation walks every object the collector tracks. Once torch
 and transformers are imported that is some 400,000 objects, and the walk takes tens to
-hundreds of milliseconds (on this project's CPU machine, a tiny serving run's full
-collections took up to 239 ms), during which the serving loop stalls and every live
-stream's next frame waits. `watch` records each collection over a block; `freeze=True`
-moves the objects alive when the block starts (the model, its graphs, the imports) into
-the permanent generation for the block (`gc.freeze`), so the collections inside it walk
-only what the block made, and puts them back after (`gc.unfreeze`), so a long-lived worker
-does not pin garbage it made before.
+hundreds of milliseconds (on this project's CPU machine the longest of a tiny serving
+bench's process took 239 ms, though none ran inside its levels), during which a serving
+loop would stall and every live stream's next frame wait. `watch` records each collection
+over a block; `freeze=True` moves the objects alive when the block starts (the model, its
+graphs, the imports) into the permanent generation for the block (`gc.freeze`), so the
+collections inside it walk only what the block made, and puts them back after
+(`gc.unfreeze`), so a long-lived worker does not pin garbage it made before.
 """
 
 from __future__ import annotations
