@@ -831,14 +831,17 @@ def test_paths_spelled_out_run_each_with_its_own_options(tmp_path):
     """--path runs exactly the paths asked for, not the product of the comma lists (the
     issue's curve: a plain stack, our best and baseline B in one run), each recording its
     own options, codec options included."""
+    import gc
     import json
 
     out = tmp_path / "p.json"
     argv = ["--device", "cpu", "--levels", "2", "--baseline-levels", "", "--frames", "2"]
     argv += ["--path", "attention=sdpa", "--path", "codec=overlap,codec_every=2,codec_kv=ring"]
-    argv += ["--path", "codec_precision=bf16"]
+    argv += ["--path", "codec_precision=bf16", "--gc", "freeze"]
     assert _bench().main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert all(lv["gc"]["frozen"] for lv in doc["levels"])  # the warm heap frozen out
+    assert gc.get_freeze_count() == 0  # and put back after each level
     assert [lv["path"] for lv in doc["levels"]] == ["ours", "ours_overlap_cev2", "ours_cbf16"]
     # a --path's approximate codec is measured and defined, though --codec-precision is fp32
     assert "codec_vs_fp32" in doc["ours"]["paths"]["ours_cbf16"]
