@@ -1,15 +1,15 @@
 """Python's garbage collections during a serving level, and the option to keep the heap
 that exists before it out of them.
 
-A collection of the oldest generation walks every object the collector tracks. Once torch
-and transformers are imported that is some 400,000 objects, and the walk takes tens to
-hundreds of milliseconds (on this project's CPU machine the longest of a tiny serving
-bench's process took 239 ms, though none ran inside its levels), during which a serving
-loop would stall and every live stream's next frame wait. `watch` records each collection
-over a block; `freeze=True` moves the objects alive when the block starts (the model, its
-graphs, the imports) into the permanent generation for the block (`gc.freeze`), so the
-collections inside it walk only what the block made, and puts them back after
-(`gc.unfreeze`), so a long-lived worker does not pin garbage it made before.
+A collection of the oldest generation walks every object the collector tracks: once torch
+and transformers are imported, hundreds of thousands of them. A serving loop stalls for the
+walk and every live stream's next frame waits. Whether one runs inside a level is what
+`gc` records (`benchmarks/cpu/serving-gc.json`, the tiny model on this project's CPU: one
+young-generation collection in its sustained level, none of the oldest). `watch` records
+each collection over a block; `freeze=True` moves the objects alive when the block starts
+(the model, its graphs, the imports) into the permanent generation for the block
+(`gc.freeze`), so the collections inside it walk only what the block made, and puts them
+back after (`gc.unfreeze`), so a long-lived worker does not pin garbage it made before.
 """
 
 from __future__ import annotations
