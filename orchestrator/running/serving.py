@@ -50,7 +50,8 @@ DEFINITIONS = {
     "loop_ms": "the driver's loop, step end to step end (the admissions, the step and its "
     "host work), in ms: p50, p95, p99 and max over the level (or the sustained window); a "
     "frame is 8 steps, so real time allows 10 ms a step on average, and a run of long "
-    "steps makes the streams behind",
+    "steps makes the streams behind; a gap spanning a time with no stream live includes "
+    "the driver's wait for the next arrival",
     "gc": gc_watch.DEFINITION,
     "phase_ms_per_step": "where the server times its work: its seconds in each phase (defined "
     "in the record's server description) / decode steps, in ms; `other` is the level's wall "
