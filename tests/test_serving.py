@@ -605,7 +605,7 @@ def test_an_approximate_codec_serves_nearby_audio_on_gpu(monkeypatch):
         for req in reqs:
             got = np.concatenate(server.audio[req.key], axis=-1)
             with torch.inference_mode():
-                codes = gpu_model.vocab.positional_codes(server.tokens[req.key])
+                codes = gpu_model.vocab.positional_codes(server.tokens[req.key]).cuda()
                 whole = gpu_model.codec.decode(codes).audio_values[0].cpu().numpy()
             assert got.shape == whole.shape, (precision, req.key)
             errors.setdefault(precision, []).append(

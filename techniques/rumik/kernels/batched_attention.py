@@ -164,6 +164,7 @@ def batched_decode_attention(
     num_splits: int = 1,
     block_s: int = 64,
     num_stages: int = 3,
+    num_warps: int = 4,
     out: torch.Tensor | None = None,
     cache_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -217,7 +218,7 @@ def batched_decode_attention(
         PRECISION="ieee" if fp32 or interpreting() else "tf32",
         DOT_F32=interpreting() and not fp32,
         KV_SCALED=scaled, ROW_MAP=cache_rows is not None,
-        num_warps=4, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _batched_reduce_kernel[(hq, b)](

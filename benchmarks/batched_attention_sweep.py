@@ -1,0 +1,225 @@
+"""The batched decode attention kernel's launch options at the serving load (issue 34).
+
+A loaded serving step on an H100 (352 offered streams, about 242 live, FP8 projections and
+cache) spent 2.43 ms of its 6.67 busy ms in `_batched_split_kernel`, next to 2.54 ms in the
+FP8 GEMMs (benchmarks/h100/serving/serving-profile-cbf16-cev4.json). The kernel's launch is
+fixed at 64-position blocks, 4 warps, 3 stages and no splits at that many rows. This sweeps
+those options over one layer's shape at the serving mix of lengths and reports achieved
+bandwidth against the device's copy ceiling, so the choice is measured, not guessed.
+
+The workload: B rows, each with its own length drawn uniformly (seed 0) from the
+prompt-plus-generated range of the serving benchmark (96 to 735 positions), an FP8 (e4m3)
+cache with float32 per-position scales as `kv: fp8` keeps it, 16 query heads over 4 KV heads
+of 128. Each timed graph calls the kernel once per cache copy, the copies together over 4x
+the L2 (as 36 layers' caches would be: no L2 reuse). Rounds interleave the configurations;
+each figure is the median over rounds. Every configuration's output is compared with the
+shipped configuration's (relative error), and the shipped one with the torch reference.
+
+    python benchmarks/batched_attention_sweep.py --rows 256,512 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving_bench import environment, write  # the same record fields
+
+from orchestrate.api.device import l2_copies
+from orchestrate.techniques.rumik.kernels import batched_attention as ba
+
+HQ, HKV, D, S_MAX = 16, 4, 128, 768
+LENGTHS = (96, 736)  # uniform in [lo, hi): prompt 95 + up to 640 generated, + 1
+SHIPPED = {"block_s": 64, "num_warps": 4, "num_stages": 3, "num_splits": 1}
+
+DEFINITIONS = {
+    "us": "microseconds per kernel call: one CUDA graph holding one call per cache copy, "
+    "replayed 20 times, CUDA events / (replays x copies); the median over rounds",
+    "bytes": "what the call must read and write: every row's valid keys and values (1 byte "
+    "each), their float32 scales, q and the output (bf16)",
+    "GBps": "bytes / us",
+    "of_copy": "GBps / the device-to-device copy's GB/s (read + write) measured in the run",
+    "rel_err_vs_shipped": "||out - shipped out|| / ||shipped out|| (float32 norms)",
+    "shipped_rel_err_vs_ref": "the shipped launch against batched_decode_attention_ref, "
+    "the first 16 rows",
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="256,512", help="batch rows per level, comma-separated")
+    ap.add_argument("--block-s", default="32,64,128")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--splits", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def copy_gbps() -> float:
+    """Device-to-device copy of 2 GiB: read + write bytes over the median of 10 copies."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    gbps = 2 * src.numel() / (statistics.median(times[2:]) * 1e-3) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def operands(rows: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple], int]:
+    """q, lengths, cache copies [(k, v, k_scale, v_scale)] and the bytes one call moves."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(*LENGTHS, (rows,), generator=gen, dtype=torch.int32)
+    q = torch.randn(rows, HQ, D, generator=gen).to("cuda", torch.bfloat16)
+    k = (torch.randn(rows, HKV, S_MAX, D, generator=gen) * 0.5).to("cuda", torch.float8_e4m3fn)
+    v = (torch.randn(rows, HKV, S_MAX, D, generator=gen) * 0.5).to("cuda", torch.float8_e4m3fn)
+    ks = torch.rand(rows, HKV, S_MAX, generator=gen).add_(0.5).to("cuda")
+    vs = torch.rand(rows, HKV, S_MAX, generator=gen).add_(0.5).to("cuda")
+    one = 2 * k.numel() + 2 * ks.numel() * 4
+    copies = [(k, v, ks, vs)] + [
+        tuple(t.clone() for t in (k, v, ks, vs))
+        for _ in range(max(4, l2_copies(k.device, one)) - 1)
+    ]
+    valid = int(lengths.sum()) * HKV
+    nbytes = valid * D * 2 + valid * 4 * 2 + 2 * rows * HQ * D * 2
+    return q, lengths.to("cuda"), copies, nbytes
+
+
+def capture(q, lengths, copies, out, options: dict[str, int]) -> torch.cuda.CUDAGraph:
+    def calls() -> None:
+        for k, v, ks, vs in copies:
+            ba.batched_decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, out=out,
+                                        **options)  # fmt: skip
+
+    calls()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int = 20) -> float:
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (replays * calls)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def sweep_rows(rows: int, configs: list[dict[str, int]], rounds: int, copy: float) -> dict:
+    q, lengths, copies, nbytes = operands(rows)
+    k, v, ks, vs = copies[0]
+    shipped = ba.batched_decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs, **SHIPPED)
+    n_ref = 16
+    ref = ba.batched_decode_attention_ref(
+        q[:n_ref], k[:n_ref], v[:n_ref], lengths[:n_ref].tolist(), k_scale=ks[:n_ref],
+        v_scale=vs[:n_ref],
+    )  # fmt: skip
+    graphs, errors = [], []
+    for options in configs:
+        out = torch.empty_like(q)
+        graphs.append((capture(q, lengths, copies, out, options), out))
+        errors.append(rel_err(out, shipped))  # the captured call's warm-up output
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, (graph, _) in enumerate(graphs):
+            times[i].append(replay_us(graph, len(copies)))
+    results = []
+    for options, err, ts in zip(configs, errors, times, strict=True):
+        us = statistics.median(ts)
+        gbps = nbytes / (us * 1e-6) / 1e9
+        results.append({**options, "us": us, "us_rounds": ts, "GBps": gbps,
+                        "of_copy": gbps / copy, "rel_err_vs_shipped": err})  # fmt: skip
+    del graphs, copies
+    torch.cuda.empty_cache()
+    return {
+        "rows": rows,
+        "lengths_mean": float(lengths.float().mean()),
+        "bytes": nbytes,
+        "shipped_rel_err_vs_ref": rel_err(shipped[:n_ref], ref),
+        "configs": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print("error: batched_attention_sweep needs a CUDA GPU", file=sys.stderr)
+        return 2
+    configs = [
+        {"block_s": b, "num_warps": w, "num_stages": s, "num_splits": p}
+        for b, w, s, p in itertools.product(
+            ints(args.block_s), ints(args.warps), ints(args.stages), ints(args.splits)
+        )
+    ]
+    if SHIPPED not in configs:
+        configs.insert(0, dict(SHIPPED))
+    t0 = time.perf_counter()
+    copy = copy_gbps()
+    doc: dict[str, Any] = {
+        "issue": 34,
+        "what": __doc__.split("\n\n")[0],
+        "environment": environment("cuda"),
+        "shape": {
+            "hq": HQ,
+            "hkv": HKV,
+            "head_dim": D,
+            "cache_positions": S_MAX,
+            "lengths": f"uniform in [{LENGTHS[0]}, {LENGTHS[1]}), seed 0",
+            "cache": "fp8 e4m3 with float32 per-position scales",
+        },
+        "shipped": SHIPPED,
+        "copy_GBps": copy,
+        "definitions": DEFINITIONS,
+        "levels": [],
+    }
+    for rows in ints(args.rows):
+        level = sweep_rows(rows, configs, args.rounds, copy)
+        doc["levels"].append(level)
+        base = next(c for c in level["configs"] if all(c[k] == SHIPPED[k] for k in SHIPPED))
+        print(f"rows {rows} (mean length {level['lengths_mean']:.0f}), copy {copy:.0f} GB/s, "
+              f"shipped vs ref {level['shipped_rel_err_vs_ref']:.2e}")  # fmt: skip
+        for c in [*sorted(level["configs"], key=lambda c: c["us"])[:8], base]:
+            print(f"  block_s {c['block_s']:3} warps {c['num_warps']} stages {c['num_stages']} "
+                  f"splits {c['num_splits']}: {c['us']:7.1f} us {c['GBps']:6.0f} GB/s "
+                  f"({c['of_copy']:.2f} of copy) x{base['us'] / c['us']:.3f} vs shipped, "
+                  f"err {c['rel_err_vs_shipped']:.1e}")  # fmt: skip
+    doc["elapsed_s"] = time.perf_counter() - t0
+    write(Path(args.out), doc)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
