@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     for rows in ints(args.rows):
         level = sweep_rows(rows, configs, args.rounds, copy)
         doc["levels"].append(level)
+        doc["elapsed_s"] = time.perf_counter() - t0
+        write(Path(args.out), doc)  # each level as it ends: a time limit keeps the others
         base = next(c for c in level["configs"] if all(c[k] == SHIPPED[k] for k in SHIPPED))
         print(f"rows {rows} (mean length {level['lengths_mean']:.0f}), copy {copy:.0f} GB/s, "
               f"shipped vs ref {level['shipped_rel_err_vs_ref']:.2e}")  # fmt: skip
@@ -215,8 +217,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"splits {c['num_splits']}: {c['us']:7.1f} us {c['GBps']:6.0f} GB/s "
                   f"({c['of_copy']:.2f} of copy) x{base['us'] / c['us']:.3f} vs shipped, "
                   f"err {c['rel_err_vs_shipped']:.1e}")  # fmt: skip
-    doc["elapsed_s"] = time.perf_counter() - t0
-    write(Path(args.out), doc)
     print(f"wrote {args.out}")
     return 0
 
