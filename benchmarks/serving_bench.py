@@ -78,7 +78,9 @@ GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact 
 CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
 # What one path of ours is (--path spells each out; otherwise the comma lists' product)
 PATH_KEYS = ("attention", "codec", "projections", "kv", "glue", "chunk_tokens", "pipeline",
-             "codec_kv", "codec_attention", "codec_precision", "codec_every")  # fmt: skip
+             "codec_kv", "codec_attention", "codec_precision", "codec_every",
+             "attention_block")  # fmt: skip
+ATTENTION_BLOCKS = ("32", "64", "128")  # --attention-block: BatchedDecoder.attention_block
 
 
 def path_name(
@@ -90,14 +92,16 @@ def path_name(
     chunk: int = 0,
     codec_precision: str = "fp32",
     codec_every: int = 1,
+    attention_block: int = 64,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
     glued = "_glue" if glue == "triton" else ""
     every = f"_cev{codec_every}" if codec_every > 1 else ""
+    block = f"_ab{attention_block}" if attention_block != 64 else ""
     return (PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
-            + every)  # fmt: skip
+            + every + block)  # fmt: skip
 
 
 NOT_BUILT = [
@@ -188,6 +192,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="1",
         help="launch the codec every N decode steps, comma-separated, each a path (N > 1: "
         "paths suffixed _cevN): the chunks completed meanwhile decoded together",
+    )
+    ap.add_argument(
+        "--attention-block",
+        default="64",
+        help="positions per block of the attention kernel's unsplit launch, comma-separated, "
+        "each a path: 32, 64 or 128 (not 64: needs --attention triton alone; paths suffixed "
+        "_abN; the same softmax summed in other blocks)",
     )
     ap.add_argument(
         "--chunk-tokens",
@@ -463,9 +474,11 @@ def path_specs(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 def spec_runs(ns: argparse.Namespace) -> list[tuple]:
     """Every path `ns` asks for: (attention, codec, projections, kv, glue, chunk tokens,
-    pipelined, codec precision, codec every, codec kv, codec attention), in run order."""
+    pipelined, codec precision, codec every, codec kv, codec attention, attention block), in
+    run order."""
     return [
-        (a, c, p, kv, g, n, pipe == "on", cp, ce, ns.codec_kv, ns.codec_attention)
+        (a, c, p, kv, g, n, pipe == "on", cp, ce, ns.codec_kv, ns.codec_attention, ab)
+        for ab in map(int, ns.attention_block.split(","))
         for ce in map(int, ns.codec_every.split(","))
         for cp in ns.codec_precision.split(",")
         for pipe in ns.pipeline.split(",")
@@ -480,7 +493,8 @@ def spec_runs(ns: argparse.Namespace) -> list[tuple]:
 
 def run_name(run: tuple) -> str:
     attention, codec, proj, kv, glue, chunk, pipe, cp, ce = run[:9]
-    return path_name(attention, codec, proj, kv, glue, chunk, cp, ce) + ("_pipe" * pipe)
+    block = run[11]
+    return path_name(attention, codec, proj, kv, glue, chunk, cp, ce, block) + "_pipe" * pipe
 
 
 def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
@@ -515,6 +529,13 @@ def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
         raise LoadError("--glue triton needs --attention triton alone")
     if args.codec_attention == "triton" and (args.codec_kv != "ring" or not cuda):
         raise LoadError("--codec-attention triton needs --codec-kv ring and --device cuda")
+    blocks = args.attention_block.split(",")
+    if not args.attention_block or any(b not in ATTENTION_BLOCKS for b in blocks):
+        raise LoadError(
+            f"--attention-block {args.attention_block!r}: each one of {', '.join(ATTENTION_BLOCKS)}"
+        )
+    if blocks != ["64"] and "sdpa" in args.attention.split(","):
+        raise LoadError("--attention-block other than 64 needs --attention triton alone")
     precisions = args.codec_precision.split(",")
     if not args.codec_precision or any(p not in CODEC_PRECISIONS for p in precisions):
         raise LoadError(
@@ -953,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         write(out, doc)
     runs = [run for ns in path_specs(args) for run in spec_runs(ns)]
     for which, run in enumerate(runs):  # in turn
-        attention, codec, proj, kv, glue, chunk, pipe, cp, ce, codec_kv, codec_attention = run
+        attention, codec, proj, kv, glue, chunk, pipe, cp, ce, codec_kv, codec_attention, ab = run
         path = run_name(run)
         fp8 = None
         if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
@@ -982,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
             glue=glue,
             chunk_tokens=chunk,
             pipeline=pipe,
+            attention_block=ab,
         )
         del fp8  # the server holds it; freed with it
         about = {
@@ -996,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
             "codec_every": ce,
             "codec_kv": codec_kv,
             "codec_attention": codec_attention,
+            "attention_block": ab,
         }
         if vs_exact is not None:
             about["vs_exact"] = vs_exact

@@ -825,12 +825,49 @@ def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() ->
                 dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
                 hidden = dec._forward(3, 256).clone()  # glue triton: _forward_fused
                 runs.append((hidden, [dec.step(3, 256).tolist() for _ in range(4)]))
-        assert dec.splits(3) == {}  # attention_splits 1: never
+        assert dec.splits(3) == {"block_s": 64}  # attention_splits 1: never
         dec.attention_splits = "auto"
-        assert dec.splits(3) == {"num_splits": 16, "block_s": 32} and dec.splits(32) == {}
+        assert dec.splits(3) == {"num_splits": 16, "block_s": 32}
+        assert dec.splits(32) == {"block_s": 64}
         (h_split, t_split), (h_one, t_one) = runs
         assert t_split == t_one, glue
         assert 0 < rel_err(h_split, h_one) < 1e-5, glue  # another order of the same sums
+
+
+def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
+    """attention_block 128 against 64 (the unsplit launch's positions a block; float32,
+    greedy, kernel glue): a prompt past 128 positions, so the blocks differ; the hidden
+    states within rounding but not equal (the option reaches the kernel) and four steps'
+    tokens equal. Another block size with SDPA, or one the decoder does not know, is
+    refused."""
+    from orchestrate.api.config import ModelSpec, SamplingConfig
+    from orchestrate.api.registry import get_family
+    from orchestrate.families.rumik.vocab import build_prompt
+    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+
+    model = get_family("rumik").build_model(
+        ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
+    )
+    long = " ".join(["A longer sentence, to reach well past one block."] * 3)
+    prompts = [model.encode_prompt(build_prompt(t, "Ira", "neutral")) for t in ["Hi.", long]]
+    assert 128 < max(len(p) for p in prompts) < 250
+    greedy = SamplingConfig(top_k=1)
+    runs = []
+    for block in (64, 128):
+        dec = BatchedDecoder(model, 2, 256, greedy, "triton", glue="triton", attention_block=block)
+        dec.attention_splits = 1
+        assert dec.splits(2) == {"block_s": block}
+        with torch.inference_mode():
+            dec.prefill([0, 1], prompts, [1, 2], [False] * 2)
+            hidden = dec._forward(2, 256).clone()
+            runs.append((hidden, [dec.step(2, 256).tolist() for _ in range(4)]))
+    (h64, t64), (h128, t128) = runs
+    assert t64 == t128
+    assert 0 < rel_err(h128, h64) < 1e-5
+    with pytest.raises(ValueError, match="needs attention 'triton'"):
+        BatchedDecoder(model, 2, 256, greedy, "sdpa", attention_block=128)
+    with pytest.raises(ValueError, match="attention_block 96: one of"):
+        BatchedDecoder(model, 2, 256, greedy, "triton", attention_block=96)
 
 
 def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:

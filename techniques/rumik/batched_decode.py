@@ -85,6 +85,7 @@ GLUE = ("torch", "triton")
 # benchmarks/h100/serving/batched-step-splits.json), so those are left whole.
 SPLIT_BELOW = 64
 SPLIT_PROGRAMS = 128
+ATTENTION_BLOCKS = (32, 64, 128)  # BatchedDecoder's attention_block: positions a block
 
 
 class BatchedDecoder:
@@ -103,9 +104,14 @@ class BatchedDecoder:
         kv: str = "model",
         glue: str = "torch",
         chunk_tokens: int = 0,
+        attention_block: int = 64,
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
+        if attention_block not in ATTENTION_BLOCKS:
+            raise ValueError(f"attention_block {attention_block}: one of {ATTENTION_BLOCKS}")
+        if attention_block != 64 and self.attention is None:
+            raise ValueError("attention_block is the kernel's: it needs attention 'triton'")
         if kv not in KV:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
         if kv == "fp8" and self.attention is None:
@@ -178,6 +184,11 @@ class BatchedDecoder:
         # positions across programs and merges them (the same softmax, summed in another
         # order: `splits`); 1 never splits.
         self.attention_splits: int | str = "auto"
+        # Positions a program reads per block when a launch is not split. 128 was 1.06x
+        # faster than 64 for the kernel alone at 256 and 512 rows of serving lengths on an
+        # H100 (benchmarks/h100/serving/batched-attention-sweep.json); 64 stays the default
+        # until the served step says so. The same softmax, summed in blocks of another size.
+        self.attention_block = attention_block
         # Chunked prefill: the prompt tokens a step carries, each (cache row, position, id);
         # padding tokens write position 0 of `scratch`.
         self.chunk_tokens = chunk_tokens
@@ -366,9 +377,9 @@ class BatchedDecoder:
         """The attention kernel's split options for a launch of m query rows: with
         `attention_splits` "auto", enough splits for about SPLIT_PROGRAMS programs (at
         most 16, over 32-position blocks) while m x kv heads is below SPLIT_BELOW; none
-        otherwise."""
+        otherwise (`attention_block` positions a block)."""
         if self.attention_splits != "auto" or m * self.hkv >= SPLIT_BELOW:
-            return {}
+            return {"block_s": self.attention_block}
         return {"num_splits": min(16, -(-SPLIT_PROGRAMS // (m * self.hkv))), "block_s": 32}
 
     # ------------------------------------------------------------------ one step

@@ -156,6 +156,7 @@ class BatchedServer:
         glue: str = "torch",
         chunk_tokens: int = 0,
         pipeline: bool = False,
+        attention_block: int = 64,
     ):
         self.model, self.sampling = model, sampling
         # Pipelined steps: the next step is launched as soon as a step's tokens are read
@@ -171,7 +172,7 @@ class BatchedServer:
         self._parked: Parked | None = None  # while `parked`: what left the device
         self.dec = BatchedDecoder(
             model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv,
-            glue=glue, chunk_tokens=chunk_tokens,
+            glue=glue, chunk_tokens=chunk_tokens, attention_block=attention_block,
         )  # fmt: skip
         # Chunked prefill: prompts ride along steps, at most chunk_tokens tokens a step,
         # padded to a bucket (a graph per (batch, context, chunk) bucket); `pending` holds
