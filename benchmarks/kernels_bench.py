@@ -301,8 +301,15 @@ def bench_attention() -> list[dict[str, Any]]:
               for _ in range(n_caches)]  # fmt: skip
     k, v = caches[0]
     results = []
-    shapes = [(32, 64, 2), (64, 64, 2), (32, 64, 3), (64, 64, 3), (32, 128, 2), (16, 64, 2),
-              (64, 32, 3)]  # (num_splits, block_s, num_stages)
+    shapes = [
+        (32, 64, 2),
+        (64, 64, 2),
+        (32, 64, 3),
+        (64, 64, 3),
+        (32, 128, 2),
+        (16, 64, 2),
+        (64, 32, 3),
+    ]  # (num_splits, block_s, num_stages)
     cases = [(L, 0, *sh) for L in (1124, 4096, 8192) for sh in shapes]
     cases += [(8192, 4096, 32, 64, 2)]  # sliding window at the longest length
     for length, window, splits, block_s, stages in cases:
@@ -322,8 +329,9 @@ def bench_attention() -> list[dict[str, Any]]:
                    key=lambda r: r["pdl_ms"])  # fmt: skip
         label = (f"L={length} splits={best['num_splits']} bs={best['block_s']} "
                  f"st={best['num_stages']} (PDL)")  # fmt: skip
-        row("decode attention / layer", label, best["pdl_ms"], best["sdpa_sliced_ms"],
-            best["bytes"])
+        row(
+            "decode attention / layer", label, best["pdl_ms"], best["sdpa_sliced_ms"], best["bytes"]
+        )
     caches.clear()
     torch.cuda.empty_cache()
     return results

@@ -69,8 +69,9 @@ def breakdown(stack_name: str, model_name: str, workload_name: str) -> dict[str,
     built = build_stack(load_stack(stack_name), DeviceCaps.probe("cuda"))
     steps = []
     # The family's build_engine, one technique at a time (stock engine, then each apply).
-    engine = family.build_engine(model, build_stack(load_stack(stack_name).model_copy(
-        update={"techniques": []})))
+    engine = family.build_engine(
+        model, build_stack(load_stack(stack_name).model_copy(update={"techniques": []}))
+    )
     prev = allocated()
     steps.append({"step": "stock engine", "gb": round((prev - after_model) / GB, 4)})
     for technique in built.techniques:
@@ -88,9 +89,7 @@ def breakdown(stack_name: str, model_name: str, workload_name: str) -> dict[str,
     for _ in range(max(1, workload.warmups)):
         family.synthesize(engine, longest.text, workload.seeds[0], workload)
     after_warm = allocated()
-    one_frame = workload.model_copy(
-        update={"length_policy": LengthPolicy(mode="fixed", frames=1)}
-    )
+    one_frame = workload.model_copy(update={"length_policy": LengthPolicy(mode="fixed", frames=1)})
     timeline, peak = [], 0
     for prompt in workload.prompts:
         for seed in workload.seeds:
@@ -100,9 +99,14 @@ def breakdown(stack_name: str, model_name: str, workload_name: str) -> dict[str,
                 family.synthesize(engine, prompt.text, seed, one_frame)
             step_peak = torch.cuda.max_memory_allocated()
             peak = max(peak, step_peak)
-            timeline.append({"prompt": prompt.id, "seed": seed,
-                             "allocated_gb": round(allocated() / GB, 4),
-                             "peak_gb": round(step_peak / GB, 4)})
+            timeline.append(
+                {
+                    "prompt": prompt.id,
+                    "seed": seed,
+                    "allocated_gb": round(allocated() / GB, 4),
+                    "peak_gb": round(step_peak / GB, 4),
+                }
+            )
     return {
         "stack": stack_name,
         "model": model_name,
@@ -133,14 +137,20 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text)
-    print(f"{b['stack']}: model {b['model_gb']} GB; " + ", ".join(
-        f"{s['step']} {s['gb']:+}" for s in b["techniques"]))
-    print(f"  warm-up residue {b['warmup_residue_gb']} GB, steady {b['steady_gb']} GB, "
-          f"timed peak {b['timed_peak_gb']} GB (transient {b['timed_transient_gb']} GB), "
-          f"reserved {b['reserved_gb']} GB")
+    print(
+        f"{b['stack']}: model {b['model_gb']} GB; "
+        + ", ".join(f"{s['step']} {s['gb']:+}" for s in b["techniques"])
+    )
+    print(
+        f"  warm-up residue {b['warmup_residue_gb']} GB, steady {b['steady_gb']} GB, "
+        f"timed peak {b['timed_peak_gb']} GB (transient {b['timed_transient_gb']} GB), "
+        f"reserved {b['reserved_gb']} GB"
+    )
     for step in b["timeline"]:
-        print(f"  {step['prompt']} seed {step['seed']}: allocated {step['allocated_gb']} GB, "
-              f"peak {step['peak_gb']} GB")
+        print(
+            f"  {step['prompt']} seed {step['seed']}: allocated {step['allocated_gb']} GB, "
+            f"peak {step['peak_gb']} GB"
+        )
     for t in b["largest_tensors"][:8]:
         print(f"  {t['gb']:8.3f} GB  {t['count']:4d} x {t['shape']} {t['dtype']}")
 

@@ -74,8 +74,10 @@ def time_shape(x: torch.Tensor, w: torch.Tensor, ceiling: float) -> tuple[list, 
         return {"kernel": label, "config": config, "us": us, "gb_s": gb_s,
                 "of_copy": gb_s / ceiling, "rel_err": err}  # fmt: skip
 
-    rows = [row("cublas", None, lambda c: F.linear(x, c)),  # what the forward runs
-            row("cublaslt", None, blas("cublaslt", x))]
+    rows = [
+        row("cublas", None, lambda c: F.linear(x, c)),  # what the forward runs
+        row("cublaslt", None, blas("cublaslt", x)),
+    ]
     refused = []
     for cfg in CONFIGS:
         try:

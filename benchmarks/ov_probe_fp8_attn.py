@@ -32,8 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from orchestrate.api.device import graph_ms_per_call, l2_copies
 from orchestrate.running.environment import capture
 
-SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
-          "down": (1024, 3072)}  # fmt: skip  (small_gemm.OV_SHAPES: [N, K] per layer)
+SHAPES = {
+    "qkv": (4096, 1024),
+    "o_proj": (1024, 2048),
+    "gate_up": (6144, 1024),
+    "down": (1024, 3072),
+}  # fmt: skip  (small_gemm.OV_SHAPES: [N, K] per layer)
 FP8 = torch.float8_e4m3fn
 
 
@@ -104,9 +108,12 @@ def attention_rows(seq: int, pad: int) -> list[dict]:
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
                     if masked:
                         row["rel_err"] = float((y.float() - exact).norm() / exact.norm())
-                    row["us"] = graph_ms_per_call(
-                        [lambda m=m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)] * 8
-                    ) * 1e3
+                    row["us"] = (
+                        graph_ms_per_call(
+                            [lambda m=m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)] * 8
+                        )
+                        * 1e3
+                    )
             except RuntimeError as e:
                 row["error"] = str(e).splitlines()[0][:200]
             rows.append(row)
@@ -117,8 +124,13 @@ def attention_rows(seq: int, pad: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rows", type=int, nargs="+", default=[156, 160],
-                    help="GEMM rows: 156 is ov-tput's CFG pair of 78; 160 the next multiple of 16")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[156, 160],
+        help="GEMM rows: 156 is ov-tput's CFG pair of 78; 160 the next multiple of 16",
+    )
     ap.add_argument("--seq", type=int, default=78)
     ap.add_argument("--pad", type=int, default=23, help="masked keys on the unconditional row")
     args = ap.parse_args()

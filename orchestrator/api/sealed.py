@@ -159,9 +159,7 @@ class Fingerprint:
     def of(cls, source: str, prompt: Prompt) -> Fingerprint:
         norm = normalise(prompt.text)
         words = tuple(_short(w)[:8] for w in norm.split())
-        chars = tuple(
-            hashlib.blake2b(ch.encode(), key=_KEY, digest_size=4).digest() for ch in norm
-        )
+        chars = tuple(hashlib.blake2b(ch.encode(), key=_KEY, digest_size=4).digest() for ch in norm)
         return cls(source, prompt.id, _short(norm), words, chars)
 
 
