@@ -734,6 +734,7 @@ class ProfiledSteps:
         self.wall_s = 0.0
         self.started = 0.0
         self.live_seen: list[int] = []
+        self.decoding_seen: list[tuple[int, int]] = []  # (rows, positions) a step's attention
         self.first = skip  # the step it started at
 
     def __getattr__(self, name: str) -> Any:
@@ -748,6 +749,8 @@ class ProfiledSteps:
             self.profiling = contextlib.ExitStack()
             self.activity = self.profiling.enter_context(device_activity())
             self.started = time.perf_counter()
+        if self.profiling is not None and hasattr(self.server, "decoding"):
+            self.decoding_seen.append(self.server.decoding())  # what this step reads
         events = self.server.step()
         self.done += 1
         if self.profiling is not None:
@@ -776,9 +779,21 @@ class ProfiledSteps:
             **out,
             "wall_ms": 1000 * self.wall_s,
             "live_mean": statistics.fmean(self.live_seen),
+            **self.context(),
             "busy_fraction": times["busy_ms"] / (1000 * self.wall_s),
             "busy_ms_per_step": times["busy_ms"] / self.profiled,
             **times,
+        }
+
+    def context(self) -> dict[str, float]:
+        """decoding_rows_mean and context_mean over the window (DEFINITIONS' gpu_profile)."""
+        rows = sum(r for r, _ in self.decoding_seen)
+        if not rows:
+            return {}
+        positions = sum(p for _, p in self.decoding_seen)
+        return {
+            "decoding_rows_mean": rows / len(self.decoding_seen),
+            "context_mean": positions / rows,
         }
 
 
@@ -965,7 +980,11 @@ def main(argv: list[str] | None = None) -> int:
             "unprofiled); wall_ms from "
             "the first profiled step's launch to the window's last work done; busy_ms the union "
             "of all device intervals (busy_fraction of wall_ms); per stream (CUDA stream id) "
-            "its summed ms and union busy_ms; top: names by summed ms, cut to 120 characters. "
+            "its summed ms and union busy_ms; top: names by summed ms, cut to 120 characters; "
+            "decoding_rows_mean: rows sampling a step (live rows whose prompts are written and "
+            "whose last token is not yet drawn), context_mean: the cache positions each of "
+            "them attends over in its step (its position + 1), both read from the server's "
+            "host mirror before each profiled step. "
             "The profiler perturbs the timings of the profiled steps"
         )
     if args.batch1_vs:  # before any server: its engine is freed before the first cache
@@ -1187,7 +1206,9 @@ def gpu_line(g: dict[str, Any]) -> str:
         f"stream {s} {v['busy_ms'] / g['steps']:.3g}" for s, v in g["streams"].items()
     )
     return (
-        f"; gpu profile over {g['steps']} steps (live mean {g['live_mean']:.3g}): busy "
+        f"; gpu profile over {g['steps']} steps (live mean {g['live_mean']:.3g}"
+        + (f", context mean {g['context_mean']:.4g}" if "context_mean" in g else "")
+        + f"): busy "
         f"{g['busy_ms_per_step']:.3g} ms a step ({100 * g['busy_fraction']:.1f}% of wall), "
         f"{streams} ms a step; top: "
         + "; ".join(f"{t['name'][:40]} {t['ms'] / g['steps']:.3g}" for t in g["top"][:6])

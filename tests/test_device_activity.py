@@ -66,6 +66,9 @@ class _Server:
     def live(self) -> int:
         return 10 + self.steps
 
+    def decoding(self) -> tuple[int, int]:
+        return 2, 2 * (100 + self.steps)  # two rows, each at position 100 + steps
+
 
 def _fake_activity(server: _Server):
     """One 0.5 ms kernel on stream 3 for each step taken while the block runs."""
@@ -92,6 +95,8 @@ def test_only_the_window_of_steps_is_profiled(monkeypatch: pytest.MonkeyPatch):
     assert (g["first_step"], g["steps"]) == (3, 4)
     assert g["busy_ms"] == pytest.approx(2.0) and g["busy_ms_per_step"] == pytest.approx(0.5)
     assert g["live_mean"] == pytest.approx((14 + 15 + 16 + 17) / 4)  # after steps 4 to 7
+    assert g["decoding_rows_mean"] == 2  # read before each profiled step: steps 3 to 6 done
+    assert g["context_mean"] == pytest.approx((103 + 104 + 105 + 106) / 4)
     assert g["streams"]["3"]["events"] == 4 and g["busy_fraction"] > 0
 
 

@@ -60,6 +60,23 @@ def serve(
     return server
 
 
+def test_decoding_counts_the_rows_sampling_and_the_positions_their_step_reads(model):
+    """BatchedServer.decoding() (the profile's context_mean): after admission each row reads
+    its prompt's positions in its first step; each step adds one a row; a finished row and
+    a free one count for nothing."""
+    reqs = [ServeRequest(k, prompt(model, t), 2 + k, seed=k) for k, t in enumerate(TEXTS[:2])]
+    server = BatchedServer(model, 3, 256, TOPK, graphs=False, codec=False)
+    assert server.decoding() == (0, 0)
+    assert server.admit(reqs) == 2
+    lengths = sum(len(r.prompt_ids) for r in reqs)
+    assert server.decoding() == (2, lengths)
+    server.step()
+    assert server.decoding() == (2, lengths + 2)
+    while server.live():
+        server.step()
+    assert server.decoding() == (0, 0)
+
+
 def single_stream_tokens(model, ids: list[int], frames: int, head: str = "codebook") -> list[int]:
     """The family's single-stream stack with the same parts (static cache, packed
     projections, the codebook or audio head), host loop, greedy (top-k 1)."""

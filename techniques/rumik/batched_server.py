@@ -343,6 +343,12 @@ class BatchedServer:
     def live(self) -> int:
         return self.rows - self.free_rows()
 
+    def decoding(self) -> tuple[int, int]:
+        """(rows sampling, cache positions their next step's attention reads: each row's
+        position + 1), from the host mirror: no device sync."""
+        rows = self._sampling()
+        return int(rows.sum()), int((self.row_pos[rows] + 1).sum())
+
     def budget(self, req: ServeRequest) -> int:
         cap = self.sampling.max_new_tokens
         return cap if req.frames is None else min(cap, req.frames * self.per_frame)
