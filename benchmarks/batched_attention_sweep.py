@@ -21,6 +21,7 @@ shipped configuration's (relative error), and the shipped one with the torch ref
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import statistics
 import sys
@@ -36,11 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_bench import environment, write  # the same record fields
 
 from orchestrate.api.device import l2_copies
+from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK
 from orchestrate.techniques.rumik.kernels import batched_attention as ba
 
 HQ, HKV, D, S_MAX = 16, 4, 128, 768
 LENGTHS = (96, 736)  # uniform in [lo, hi): prompt 95 + up to 640 generated, + 1
-SHIPPED = {"block_s": 64, "num_warps": 4, "num_stages": 3, "num_splits": 1}
+# The launch a loaded serving step makes (many rows: unsplit), from its sources
+_KERNEL = inspect.signature(ba.batched_decode_attention).parameters
+SHIPPED = {
+    "block_s": ATTENTION_BLOCK,
+    "num_warps": _KERNEL["num_warps"].default,
+    "num_stages": _KERNEL["num_stages"].default,
+    "num_splits": 1,
+}
 
 DEFINITIONS = {
     "us": "microseconds per kernel call: one CUDA graph holding one call per cache copy, "

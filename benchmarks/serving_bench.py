@@ -80,7 +80,6 @@ CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
 PATH_KEYS = ("attention", "codec", "projections", "kv", "glue", "chunk_tokens", "pipeline",
              "codec_kv", "codec_attention", "codec_precision", "codec_every",
              "attention_block")  # fmt: skip
-ATTENTION_BLOCKS = ("32", "64", "128")  # --attention-block: BatchedDecoder.attention_block
 
 
 def path_name(
@@ -92,7 +91,7 @@ def path_name(
     chunk: int = 0,
     codec_precision: str = "fp32",
     codec_every: int = 1,
-    attention_block: int = 64,
+    attention_block: int = 64,  # batched_decode.ATTENTION_BLOCK: the unsuffixed path
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
@@ -529,12 +528,15 @@ def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
         raise LoadError("--glue triton needs --attention triton alone")
     if args.codec_attention == "triton" and (args.codec_kv != "ring" or not cuda):
         raise LoadError("--codec-attention triton needs --codec-kv ring and --device cuda")
+    from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK, ATTENTION_BLOCKS
+
+    known = [str(b) for b in ATTENTION_BLOCKS]
     blocks = args.attention_block.split(",")
-    if not args.attention_block or any(b not in ATTENTION_BLOCKS for b in blocks):
+    if not args.attention_block or any(b not in known for b in blocks):
         raise LoadError(
-            f"--attention-block {args.attention_block!r}: each one of {', '.join(ATTENTION_BLOCKS)}"
+            f"--attention-block {args.attention_block!r}: each one of {', '.join(known)}"
         )
-    if blocks != ["64"] and "sdpa" in args.attention.split(","):
+    if blocks != [str(ATTENTION_BLOCK)] and "sdpa" in args.attention.split(","):
         raise LoadError("--attention-block other than 64 needs --attention triton alone")
     precisions = args.codec_precision.split(",")
     if not args.codec_precision or any(p not in CODEC_PRECISIONS for p in precisions):

@@ -86,6 +86,7 @@ GLUE = ("torch", "triton")
 SPLIT_BELOW = 64
 SPLIT_PROGRAMS = 128
 ATTENTION_BLOCKS = (32, 64, 128)  # BatchedDecoder's attention_block: positions a block
+ATTENTION_BLOCK = 64  # its default (the kernel's block_s default)
 
 
 class BatchedDecoder:
@@ -104,13 +105,13 @@ class BatchedDecoder:
         kv: str = "model",
         glue: str = "torch",
         chunk_tokens: int = 0,
-        attention_block: int = 64,
+        attention_block: int = ATTENTION_BLOCK,
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
         if attention_block not in ATTENTION_BLOCKS:
             raise ValueError(f"attention_block {attention_block}: one of {ATTENTION_BLOCKS}")
-        if attention_block != 64 and self.attention is None:
+        if attention_block != ATTENTION_BLOCK and self.attention is None:
             raise ValueError("attention_block is the kernel's: it needs attention 'triton'")
         if kv not in KV:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
