@@ -122,8 +122,10 @@ def _only_in_process(request: pytest.FixtureRequest) -> None:
 def test_interpreted_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # A bound, not a measure: the interpreter took 9 CPU minutes on a 2-core AVX2 machine and
-    # ran past 600 s of wall time in CI beside the rest of the suite; as the file grew it
-    # passed 1,500 s there (a clean-clone CI run on 2026-12-07), so the bound is 2,400 s.
+    # ran past 600 s of wall time in CI beside the rest of the suite. As the file grew it
+    # passed 1,500 s and then 2,400 s there (two clean-clone CI runs on 2026-12-07, on a
+    # machine running the whole suite at about half its usual speed): the file's interpreted
+    # time has to come down; this bound only keeps a hung child from holding CI.
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-rs", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=2400)
     out = proc.stdout
