@@ -91,14 +91,17 @@ def path_name(
     chunk: int = 0,
     codec_precision: str = "fp32",
     codec_every: int = 1,
-    attention_block: int = 64,  # batched_decode.ATTENTION_BLOCK: the unsuffixed path
+    attention_block: int = 128,  # batched_decode.ATTENTION_BLOCK
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
     glued = "_glue" if glue == "triton" else ""
     every = f"_cev{codec_every}" if codec_every > 1 else ""
-    block = f"_ab{attention_block}" if attention_block != 64 else ""
+    # 64 was the default until 2026-12-07: every record before names its 64 path unsuffixed,
+    # so the suffix names any other block, today's default included, and old names keep
+    # their meaning.
+    block = f"_ab{attention_block}" if attention == "triton" and attention_block != 64 else ""
     return (PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
             + every + block)  # fmt: skip
 
@@ -194,10 +197,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--attention-block",
-        default="64",
+        default="128",
         help="positions per block of the attention kernel's unsplit launch, comma-separated, "
-        "each a path: 32, 64 or 128 (not 64: needs --attention triton alone; paths suffixed "
-        "_abN; the same softmax summed in other blocks)",
+        "each a path: 32, 64 or 128 (not 128: needs --attention triton alone; paths other "
+        "than 64 suffixed _abN, 64 being the default of earlier records; the same softmax "
+        "summed in other blocks)",
     )
     ap.add_argument(
         "--chunk-tokens",
@@ -537,7 +541,9 @@ def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
             f"--attention-block {args.attention_block!r}: each one of {', '.join(known)}"
         )
     if blocks != [str(ATTENTION_BLOCK)] and "sdpa" in args.attention.split(","):
-        raise LoadError("--attention-block other than 64 needs --attention triton alone")
+        raise LoadError(
+            f"--attention-block other than {ATTENTION_BLOCK} needs --attention triton alone"
+        )
     precisions = args.codec_precision.split(",")
     if not args.codec_precision or any(p not in CODEC_PRECISIONS for p in precisions):
         raise LoadError(

@@ -33,6 +33,11 @@ from conftest import require_or_skip
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+# The serving decoder's attention splitting in the tests that serve or step several rows:
+# its default on a GPU; unsplit in the interpreter, where "auto" runs up to 16 programs a
+# row and head plus a merge, each interpreted in Python (87% of the chunked server test's
+# 541 s). Split against unsplit has its own test, interpreted too.
+SPLITS: int | str = "auto" if CUDA else 1
 _KERNELS = "orchestrate.techniques.rumik.kernels."
 _ENV_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton decides interpreter-or-compiler when a function is decorated, its own library
@@ -707,7 +712,7 @@ def test_an_fp8_cache_keeps_the_serving_steps_logits_near_the_exact_caches() -> 
     tokens = [[int(ids[i][3 * r + i]) for i in range(4)] for r in range(3)]
     runs = {}
     for kv in ("model", "fp8"):
-        dec = BatchedDecoder(model, 3, 256, greedy, "triton", kv=kv)
+        dec = BatchedDecoder(model, 3, 256, greedy, "triton", kv=kv, attention_splits=SPLITS)
         with torch.inference_mode():
             runs[kv] = dec.teacher_forced(prompts, tokens)
     assert dec.k.dtype == torch.float8_e4m3fn and dec.k_scale.shape == dec.k.shape[:-1]
@@ -739,7 +744,7 @@ def test_the_serving_step_with_the_kernel_gives_sdpas_tokens() -> None:
     greedy = SamplingConfig(top_k=1)
     steps, caches = [], []
     for attention in ("sdpa", "triton"):
-        dec = BatchedDecoder(model, 3, 256, greedy, attention)
+        dec = BatchedDecoder(model, 3, 256, greedy, attention, attention_splits=SPLITS)
         with torch.inference_mode():
             dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
             steps.append([dec.step(3, 256).tolist() for _ in range(4)])
@@ -783,13 +788,15 @@ def test_the_serving_step_with_kernel_glue_gives_the_torch_glues_tokens(
     forced = [[int(ids[i][5 * r + i]) for i in range(3)] for r in range(3)]
     steps, caches, logits = [], [], []
     for glue in ("torch", "triton"):
-        dec = BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
+        dec, forcing = (
+            BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue, attention_splits=SPLITS)
+            for _ in range(2)
+        )
         with torch.inference_mode():
             dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
             steps.append([dec.step(3, 256).tolist() for _ in range(4)])
             caches.append(torch.cat([dec.k, dec.v]))
-            logits.append(BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
-                          .teacher_forced(prompts, forced))  # fmt: skip
+            logits.append(forcing.teacher_forced(prompts, forced))
     layers = model.config.num_hidden_layers
     # glue triton: 4 steps and 3 forced rotate; their SwiGLU also runs in the 2 prompt writes
     assert calls == {"rope": layers * 7, "swiglu": layers * 9}
@@ -807,11 +814,11 @@ def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() ->
     """BatchedDecoder's attention_splits 'auto' (the default): at 3 rows x 2 kv heads each
     row's positions are split 16 ways (32-position blocks) and merged; against 1 (never
     split), float32, greedy, kernel glue and torch glue: the hidden states within rounding
-    and four steps' tokens equal. At 32 rows (64 programs) nothing is split."""
+    and two steps' tokens equal. At 32 rows (64 programs) nothing is split."""
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
-    from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
+    from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK, BatchedDecoder
 
     model = get_family("rumik").build_model(
         ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
@@ -822,16 +829,16 @@ def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() ->
     for glue in ("torch", "triton"):
         runs = []
         for splits in ("auto", 1):
-            dec = BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue)
-            dec.attention_splits = splits
+            dec = BatchedDecoder(model, 3, 256, greedy, "triton", glue=glue,
+                                 attention_splits=splits)  # fmt: skip
             with torch.inference_mode():
                 dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
                 hidden = dec._forward(3, 256).clone()  # glue triton: _forward_fused
-                runs.append((hidden, [dec.step(3, 256).tolist() for _ in range(4)]))
-        assert dec.splits(3) == {"block_s": 64}  # attention_splits 1: never
+                runs.append((hidden, [dec.step(3, 256).tolist() for _ in range(2)]))
+        assert dec.splits(3) == {"block_s": ATTENTION_BLOCK}  # attention_splits 1: never
         dec.attention_splits = "auto"
         assert dec.splits(3) == {"num_splits": 16, "block_s": 32}
-        assert dec.splits(32) == {"block_s": 64}
+        assert dec.splits(32) == {"block_s": ATTENTION_BLOCK}
         (h_split, t_split), (h_one, t_one) = runs
         assert t_split == t_one, glue
         assert 0 < rel_err(h_split, h_one) < 1e-5, glue  # another order of the same sums
@@ -857,8 +864,8 @@ def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
     greedy = SamplingConfig(top_k=1)
     runs = []
     for block in (64, 128):
-        dec = BatchedDecoder(model, 1, 256, greedy, "triton", glue="triton", attention_block=block)
-        dec.attention_splits = 1
+        dec = BatchedDecoder(model, 1, 256, greedy, "triton", glue="triton", attention_block=block,
+                             attention_splits=1)  # fmt: skip
         assert dec.splits(1) == {"block_s": block}
         with torch.inference_mode():
             dec.prefill([0], prompts, [1], [False])
@@ -868,9 +875,11 @@ def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
     assert t64 == t128
     assert 0 < rel_err(h128, h64) < 1e-5
     with pytest.raises(ValueError, match="needs attention 'triton'"):
-        BatchedDecoder(model, 1, 256, greedy, "sdpa", attention_block=128)
+        BatchedDecoder(model, 1, 256, greedy, "sdpa", attention_block=64)
     with pytest.raises(ValueError, match="attention_block 96: one of"):
         BatchedDecoder(model, 1, 256, greedy, "triton", attention_block=96)
+    with pytest.raises(ValueError, match="attention_splits 4: 'auto' or 1"):
+        BatchedDecoder(model, 1, 256, greedy, "triton", attention_splits=4)
 
 
 def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:
@@ -894,7 +903,8 @@ def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:
     seeds, ends = [1, 2, 3], [False] * 3
 
     def decoder(chunk: int = 0) -> BatchedDecoder:
-        return BatchedDecoder(model, 3, cap, greedy, "triton", glue="triton", chunk_tokens=chunk)
+        return BatchedDecoder(model, 3, cap, greedy, "triton", glue="triton", chunk_tokens=chunk,
+                              attention_splits=SPLITS)  # fmt: skip
 
     with torch.inference_mode():
         whole = decoder()  # every prompt by write_prompts, then 4 steps
@@ -942,7 +952,7 @@ def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -
     )
     texts = ["Hi.", "A longer sentence, to span a few chunks of prompt.", "Ok, go."]
     reqs = [
-        ServeRequest(k, model.encode_prompt(build_prompt(t, "Ira", "neutral")), 1 + k, seed=k)
+        ServeRequest(k, model.encode_prompt(build_prompt(t, "Ira", "neutral")), 1, seed=k)
         for k, t in enumerate(texts)
     ]
     runs = []
@@ -950,6 +960,7 @@ def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -
         server = BatchedServer(model, 2, 128, SamplingConfig(top_k=1), graphs=False,
                                codec=False, attention="triton", glue="triton",
                                chunk_tokens=chunk, pipeline=pipeline)  # fmt: skip
+        server.dec.attention_splits = SPLITS
         waiting = list(reqs)
         with torch.inference_mode():
             while waiting or server.live():
@@ -1041,7 +1052,8 @@ def test_kernel_glue_writes_the_fp8_cache_the_torch_glue_writes() -> None:
     greedy = SamplingConfig(top_k=1)
     runs = []
     for glue in ("torch", "triton"):
-        dec = BatchedDecoder(model, 2, 96, greedy, "triton", kv="fp8", glue=glue)
+        dec = BatchedDecoder(model, 2, 96, greedy, "triton", kv="fp8", glue=glue,
+                             attention_splits=SPLITS)  # fmt: skip
         with torch.inference_mode():
             dec.prefill([0, 1], prompts, [1, 2], [False] * 2)
             tokens = [dec.step(2, 96).tolist() for _ in range(4)]
@@ -1118,7 +1130,8 @@ def test_kernel_glue_quantizes_fp8_projections_inputs_in_its_norm_and_swiglu(
     greedy = SamplingConfig(top_k=1)
     logits = {}
     for glue in ("torch", "triton"):
-        dec = BatchedDecoder(model, 2, 96, greedy, "triton", projections=proj, glue=glue)
+        dec = BatchedDecoder(model, 2, 96, greedy, "triton", projections=proj, glue=glue,
+                             attention_splits=SPLITS)  # fmt: skip
         with torch.inference_mode():
             logits[glue] = dec.teacher_forced(prompts, forced)
     layers = model.config.num_hidden_layers

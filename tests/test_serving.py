@@ -790,7 +790,7 @@ def _bench():
         (["--codec-precision", "bf16", "--no-codec"], "there is no codec to run"),
         (["--codec-every", "1,0"], "--codec-every '1,0': each a whole number, at least 1"),
         (["--attention-block", "96"], "--attention-block '96': each one of 32, 64, 128"),
-        (["--attention-block", "64,128"], "other than 64 needs --attention triton alone"),
+        (["--attention-block", "64,128"], "other than 128 needs --attention triton alone"),
         (["--path", "attention=sdpa,speed=11"], "KEY=VALUE pairs, each key one of attention"),
         (
             ["--path", "codec=overlap", "--glue", "triton"],

@@ -86,7 +86,11 @@ GLUE = ("torch", "triton")
 SPLIT_BELOW = 64
 SPLIT_PROGRAMS = 128
 ATTENTION_BLOCKS = (32, 64, 128)  # BatchedDecoder's attention_block: positions a block
-ATTENTION_BLOCK = 64  # its default (the kernel's block_s default)
+# Its default. 128 read the served rows' caches fastest of 36 launch options at 256, 448 and
+# 512 rows on an H100 (1.07-1.09x the 64 before it) and served 556 of 1,121 streams against
+# 64's 483 at 448 live in one run (benchmarks/h100/serving/batched-attention-sweep-448.json,
+# serving-ab-attention-block.json).
+ATTENTION_BLOCK = 128
 
 
 class BatchedDecoder:
@@ -106,9 +110,14 @@ class BatchedDecoder:
         glue: str = "torch",
         chunk_tokens: int = 0,
         attention_block: int = ATTENTION_BLOCK,
+        attention_splits: int | str = "auto",
     ):
         lm, cfg = model.lm, model.config
         self.attention = _attention(attention, model)
+        if attention_splits != "auto" and not (
+            type(attention_splits) is int and attention_splits == 1
+        ):
+            raise ValueError(f"attention_splits {attention_splits!r}: 'auto' or 1")
         if attention_block not in ATTENTION_BLOCKS:
             raise ValueError(f"attention_block {attention_block}: one of {ATTENTION_BLOCKS}")
         if attention_block != ATTENTION_BLOCK and self.attention is None:
@@ -184,11 +193,9 @@ class BatchedDecoder:
         # idle, reading long ranges one block after another. "auto" then splits each row's
         # positions across programs and merges them (the same softmax, summed in another
         # order: `splits`); 1 never splits.
-        self.attention_splits: int | str = "auto"
-        # Positions a program reads per block when a launch is not split. 128 was 1.06x
-        # faster than 64 for the kernel alone at 256 and 512 rows of serving lengths on an
-        # H100 (benchmarks/h100/serving/batched-attention-sweep.json); 64 stays the default
-        # until the served step says so. The same softmax, summed in blocks of another size.
+        self.attention_splits: int | str = attention_splits
+        # Positions a program reads per block when a launch is not split (ATTENTION_BLOCK
+        # says why 128). The same softmax, summed in blocks of another size.
         self.attention_block = attention_block
         # Chunked prefill: the prompt tokens a step carries, each (cache row, position, id);
         # padding tokens write position 0 of `scratch`.
