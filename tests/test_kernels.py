@@ -818,7 +818,7 @@ def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() ->
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
-    from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK, BatchedDecoder
+    from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK_FP32, BatchedDecoder
 
     model = get_family("rumik").build_model(
         ModelSpec(preset="small-128", device=DEVICE.type, dtype="float32")
@@ -835,21 +835,23 @@ def test_few_rows_split_their_attention_and_step_as_unsplit_within_rounding() ->
                 dec.prefill([0, 1, 2], prompts, [1, 2, 3], [False] * 3)
                 hidden = dec._forward(3, 256).clone()  # glue triton: _forward_fused
                 runs.append((hidden, [dec.step(3, 256).tolist() for _ in range(2)]))
-        assert dec.splits(3) == {"block_s": ATTENTION_BLOCK}  # attention_splits 1: never
+        assert dec.splits(3) == {"block_s": ATTENTION_BLOCK_FP32}  # splits 1: never
         dec.attention_splits = "auto"
         assert dec.splits(3) == {"num_splits": 16, "block_s": 32}
-        assert dec.splits(32) == {"block_s": ATTENTION_BLOCK}
+        assert dec.splits(32) == {"block_s": ATTENTION_BLOCK_FP32}  # float32: 64
         (h_split, t_split), (h_one, t_one) = runs
         assert t_split == t_one, glue
         assert 0 < rel_err(h_split, h_one) < 1e-5, glue  # another order of the same sums
 
 
 def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
-    """attention_block 128 against 64 (the unsplit launch's positions a block; float32,
-    greedy, kernel glue), one row whose prompt spans two 64-position blocks and one of 128:
-    the hidden state within rounding but not equal (the option reaches the kernel) and two
-    steps' tokens equal. Another block size with SDPA, or one the decoder does not know, is
-    refused. (One row, two steps: the interpreter's time in CI is this file's bound.)"""
+    """attention_block 128 against 64 (the unsplit launch's positions a block; an fp8 cache,
+    float32 arithmetic, greedy, kernel glue), one row whose prompt spans two 64-position
+    blocks and one of 128: the hidden state within rounding but not equal (the option
+    reaches the kernel) and two steps' tokens equal. The default is 128 over a 1- or 2-byte
+    cache and 64 over a float32 one, where 128 is refused (its blocks do not fit an H100's
+    shared memory); another block with SDPA, or one the decoder does not know, is refused.
+    (One row, two steps: the interpreter's time in CI is this file's bound.)"""
     from orchestrate.api.config import ModelSpec, SamplingConfig
     from orchestrate.api.registry import get_family
     from orchestrate.families.rumik.vocab import build_prompt
@@ -864,8 +866,8 @@ def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
     greedy = SamplingConfig(top_k=1)
     runs = []
     for block in (64, 128):
-        dec = BatchedDecoder(model, 1, 256, greedy, "triton", glue="triton", attention_block=block,
-                             attention_splits=1)  # fmt: skip
+        dec = BatchedDecoder(model, 1, 256, greedy, "triton", glue="triton", kv="fp8",
+                             attention_block=block, attention_splits=1)  # fmt: skip
         assert dec.splits(1) == {"block_s": block}
         with torch.inference_mode():
             dec.prefill([0], prompts, [1], [False])
@@ -874,12 +876,17 @@ def test_the_attention_block_sums_in_other_blocks_and_steps_the_same() -> None:
     (h64, t64), (h128, t128) = runs
     assert t64 == t128
     assert 0 < rel_err(h128, h64) < 1e-5
+    fp8 = BatchedDecoder(model, 1, 96, greedy, "triton", kv="fp8", attention_splits=1)
+    fp32 = BatchedDecoder(model, 1, 96, greedy, "triton", attention_splits=1)
+    assert (fp8.splits(1), fp32.splits(1)) == ({"block_s": 128}, {"block_s": 64})
+    with pytest.raises(ValueError, match="attention_block 128 over a torch.float32 cache"):
+        BatchedDecoder(model, 1, 96, greedy, "triton", attention_block=128)
     with pytest.raises(ValueError, match="needs attention 'triton'"):
-        BatchedDecoder(model, 1, 256, greedy, "sdpa", attention_block=64)
+        BatchedDecoder(model, 1, 96, greedy, "sdpa", attention_block=64)
     with pytest.raises(ValueError, match="attention_block 96: one of"):
-        BatchedDecoder(model, 1, 256, greedy, "triton", attention_block=96)
+        BatchedDecoder(model, 1, 96, greedy, "triton", attention_block=96)
     with pytest.raises(ValueError, match="attention_splits 4: 'auto' or 1"):
-        BatchedDecoder(model, 1, 256, greedy, "triton", attention_splits=4)
+        BatchedDecoder(model, 1, 96, greedy, "triton", attention_splits=4)
 
 
 def test_chunked_prefill_writes_the_cache_a_prompt_write_writes() -> None:

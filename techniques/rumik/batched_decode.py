@@ -86,11 +86,14 @@ GLUE = ("torch", "triton")
 SPLIT_BELOW = 64
 SPLIT_PROGRAMS = 128
 ATTENTION_BLOCKS = (32, 64, 128)  # BatchedDecoder's attention_block: positions a block
-# Its default. 128 read the served rows' caches fastest of 36 launch options at 256, 448 and
-# 512 rows on an H100 (1.07-1.09x the 64 before it) and served 556 of 1,121 streams against
-# 64's 483 at 448 live in one run (benchmarks/h100/serving/batched-attention-sweep-448.json,
-# serving-ab-attention-block.json).
+# Its default over a bf16 or fp8 cache. 128 read the served rows' caches fastest of 36
+# launch options at 256, 448 and 512 rows on an H100 (1.07-1.09x the 64 before it) and
+# served 556 of 1,121 streams against 64's 483 at 448 live in one run
+# (benchmarks/h100/serving/batched-attention-sweep-448.json, serving-ab-attention-block.json).
 ATTENTION_BLOCK = 128
+# Over a float32 cache: 128-position blocks of keys and values asked an H100 for 272 KiB of
+# shared memory, past its 227 KiB (benchmarks/h100/serving/kernel-tests-block128-fp32.log).
+ATTENTION_BLOCK_FP32 = 64
 
 
 class BatchedDecoder:
@@ -109,7 +112,7 @@ class BatchedDecoder:
         kv: str = "model",
         glue: str = "torch",
         chunk_tokens: int = 0,
-        attention_block: int = ATTENTION_BLOCK,
+        attention_block: int | None = None,  # None: ATTENTION_BLOCK, or _FP32 for its cache
         attention_splits: int | str = "auto",
     ):
         lm, cfg = model.lm, model.config
@@ -118,9 +121,9 @@ class BatchedDecoder:
             type(attention_splits) is int and attention_splits == 1
         ):
             raise ValueError(f"attention_splits {attention_splits!r}: 'auto' or 1")
-        if attention_block not in ATTENTION_BLOCKS:
+        if attention_block is not None and attention_block not in ATTENTION_BLOCKS:
             raise ValueError(f"attention_block {attention_block}: one of {ATTENTION_BLOCKS}")
-        if attention_block != ATTENTION_BLOCK and self.attention is None:
+        if attention_block not in (None, ATTENTION_BLOCK) and self.attention is None:
             raise ValueError("attention_block is the kernel's: it needs attention 'triton'")
         if kv not in KV:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
@@ -165,6 +168,14 @@ class BatchedDecoder:
         self.scratch = rows
         shape = (len(self.norms), rows + 1, self.hkv, max_seq_len, self.d)
         cache_dt = FP8 if kv == "fp8" else dt
+        wide = cache_dt.itemsize > 2
+        if attention_block is None:
+            attention_block = ATTENTION_BLOCK_FP32 if wide else ATTENTION_BLOCK
+        elif attention_block == 128 and wide and self.attention is not None:
+            raise ValueError(
+                f"attention_block 128 over a {cache_dt} cache: more shared memory than an H100 "
+                f"has; {ATTENTION_BLOCK_FP32}, or a bf16 or fp8 cache"
+            )
         self.k = torch.zeros(shape, dtype=cache_dt, device=dev)
         self.v = torch.zeros(shape, dtype=cache_dt, device=dev)
         # fp8: each position's key and value vector (per kv head) with its own scale

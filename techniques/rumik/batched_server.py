@@ -43,7 +43,7 @@ from orchestrate.api.family import StreamRequest
 from orchestrate.api.parking import Parked, parked
 from orchestrate.families.rumik.engine import Projections
 from orchestrate.families.rumik.model import RumikModel
-from orchestrate.techniques.rumik.batched_decode import ATTENTION_BLOCK, BatchedDecoder
+from orchestrate.techniques.rumik.batched_decode import BatchedDecoder
 from orchestrate.techniques.rumik.chunk_codec import ChunkCodec
 from orchestrate.techniques.rumik.cuda_graph import ROW_BUCKETS, buckets, warm_and_capture
 from orchestrate.techniques.rumik.prompt_writes import PromptWriter
@@ -156,7 +156,7 @@ class BatchedServer:
         glue: str = "torch",
         chunk_tokens: int = 0,
         pipeline: bool = False,
-        attention_block: int = ATTENTION_BLOCK,
+        attention_block: int | None = None,  # BatchedDecoder's default for the cache
     ):
         self.model, self.sampling = model, sampling
         # Pipelined steps: the next step is launched as soon as a step's tokens are read
