@@ -1870,7 +1870,10 @@ def _same(out: torch.Tensor, ref: torch.Tensor) -> None:
         return
     same = (out == ref).float().mean().item()
     assert rel_err(out, ref) < (1e-6 if out.dtype == torch.float32 else 1e-2), same
-    assert same > (0.5 if out.dtype == torch.float32 else 0.9), same
+    # bf16: most values round to the same bits. fp32 (the rel_err bound above says rounding
+    # level): 31-33% of them were bitwise equal on an H100, so no share is asked of it.
+    if out.dtype != torch.float32:
+        assert same > 0.9, same
 
 
 def _qkvgu_case(dtype: torch.dtype, k: int = 80):
@@ -2146,15 +2149,17 @@ def test_packed_backbone_with_the_fused_qk_kernel_matches_its_modules() -> None:
     from orchestrate.api.registry import get_family
     from orchestrate.techniques.omnivoice.packed_projections import PackedBackbone
 
-    model = get_family("omnivoice").build_model(ModelSpec(family="omnivoice", preset="tiny"))
+    model = get_family("omnivoice").build_model(
+        ModelSpec(family="omnivoice", preset="tiny", device=DEVICE.type)
+    )
     llm = model.ov.llm
     torch.manual_seed(0)
     with torch.no_grad():  # random init leaves the norms at 1: make q's and k's differ
         for layer in llm.layers:
             layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
             layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
-    embeds = torch.randn(2, 11, llm.config.hidden_size)
-    mask = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+    embeds = torch.randn(2, 11, llm.config.hidden_size, device=DEVICE)
+    mask = torch.ones(2, 1, 11, 11, dtype=torch.bool, device=DEVICE)
     mask[1, :, :, 8:] = False
     with torch.inference_mode():
         want = PackedBackbone(llm)(embeds, mask)
