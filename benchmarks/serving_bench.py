@@ -80,6 +80,9 @@ CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
 PATH_KEYS = ("attention", "codec", "projections", "kv", "glue", "chunk_tokens", "pipeline",
              "codec_kv", "codec_attention", "codec_precision", "codec_every",
              "attention_block")  # fmt: skip
+# The attention block a path names without an `_abN` suffix: 64, the default until
+# 2026-12-07, so every earlier record's names keep their meaning (the default is 128 since).
+UNSUFFIXED_BLOCK = 64
 
 
 def path_name(
@@ -91,17 +94,15 @@ def path_name(
     chunk: int = 0,
     codec_precision: str = "fp32",
     codec_every: int = 1,
-    attention_block: int = 128,  # batched_decode.ATTENTION_BLOCK
+    attention_block: int = UNSUFFIXED_BLOCK,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
     fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
     chunked = f"_chunk{chunk}" if chunk else ""
     glued = "_glue" if glue == "triton" else ""
     every = f"_cev{codec_every}" if codec_every > 1 else ""
-    # 64 was the default until 2026-12-07: every record before names its 64 path unsuffixed,
-    # so the suffix names any other block, today's default included, and old names keep
-    # their meaning.
-    block = f"_ab{attention_block}" if attention == "triton" and attention_block != 64 else ""
+    named = attention == "triton" and attention_block != UNSUFFIXED_BLOCK
+    block = f"_ab{attention_block}" if named else ""
     return (PATHS[attention] + overlap + fp8 + glued + chunked + CODEC_PRECISIONS[codec_precision]
             + every + block)  # fmt: skip
 
