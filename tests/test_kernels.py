@@ -968,8 +968,8 @@ def test_a_server_prefilling_by_chunks_serves_the_tokens_prompt_writes_serve() -
     for chunk, pipeline in ((0, False), (16, False), (16, True)):
         server = BatchedServer(model, 2, 128, SamplingConfig(top_k=1), graphs=False,
                                codec=False, attention="triton", glue="triton",
-                               chunk_tokens=chunk, pipeline=pipeline)  # fmt: skip
-        server.dec.attention_splits = SPLITS
+                               chunk_tokens=chunk, pipeline=pipeline,
+                               attention_splits=SPLITS)  # fmt: skip
         waiting = list(reqs)
         with torch.inference_mode():
             while waiting or server.live():

@@ -171,10 +171,10 @@ class BatchedDecoder:
         wide = cache_dt.itemsize > 2
         if attention_block is None:
             attention_block = ATTENTION_BLOCK_FP32 if wide else ATTENTION_BLOCK
-        elif attention_block == 128 and wide and self.attention is not None:
+        elif attention_block > ATTENTION_BLOCK_FP32 and wide and self.attention is not None:
             raise ValueError(
-                f"attention_block 128 over a {cache_dt} cache: more shared memory than an H100 "
-                f"has; {ATTENTION_BLOCK_FP32}, or a bf16 or fp8 cache"
+                f"attention_block {attention_block} over a {cache_dt} cache: more shared memory "
+                f"than an H100 has; {ATTENTION_BLOCK_FP32} or less, or a bf16 or fp8 cache"
             )
         self.k = torch.zeros(shape, dtype=cache_dt, device=dev)
         self.v = torch.zeros(shape, dtype=cache_dt, device=dev)

@@ -157,6 +157,7 @@ class BatchedServer:
         chunk_tokens: int = 0,
         pipeline: bool = False,
         attention_block: int | None = None,  # BatchedDecoder's default for the cache
+        attention_splits: int | str = "auto",
     ):
         self.model, self.sampling = model, sampling
         # Pipelined steps: the next step is launched as soon as a step's tokens are read
@@ -173,6 +174,7 @@ class BatchedServer:
         self.dec = BatchedDecoder(
             model, rows, max_seq_len, sampling, attention, head, projections=projections, kv=kv,
             glue=glue, chunk_tokens=chunk_tokens, attention_block=attention_block,
+            attention_splits=attention_splits,
         )  # fmt: skip
         # Chunked prefill: prompts ride along steps, at most chunk_tokens tokens a step,
         # padded to a bucket (a graph per (batch, context, chunk) bucket); `pending` holds
