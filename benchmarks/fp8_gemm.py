@@ -21,7 +21,11 @@ dequantized operands (relative to the largest |value|): fp8_gemm's is cuBLASLt's
 
 `--sweep` times, per row count and per projection shape (36 distinct weights of it in one
 graph), cuBLASLt against every candidate tile of the Triton kernel and `config_for`'s
-choice, all interleaved: the table `config_for` is written from.
+choice, all interleaved: the table `config_for` is written from. `--inductor` adds one more
+contender: torch._scaled_mm compiled by inductor with max-autotune (its Triton templates,
+persistent TMA ones included, benchmarked against cuBLASLt at that exact shape; what it
+picked is in inductor's AUTOTUNE lines on stderr), to say whether a better GEMM than ours
+exists at these row counts before we write one.
 
 Per row count, each way runs its 108 projections (3 per layer, distinct weights) in one CUDA
 graph; the graphs replay interleaved, each replay timed by CUDA events. The JSON gives each
@@ -112,9 +116,30 @@ def worst_error(ys: list[torch.Tensor], xq, weights: list[Fp8Weight]) -> float:
     return worst
 
 
-def candidates(rows: int, n: int, k: int) -> list[GemmConfig]:
+def inductor_gemm(
+    xq: list[tuple[torch.Tensor, torch.Tensor]], weights: list[Fp8Weight], compiled
+) -> None:
+    for (q, s), w in zip(xq, weights, strict=True):
+        compiled(q, s, w.q, w.scale)
+
+
+def scaled_mm(q: torch.Tensor, s: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor):
+    return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def compile_max_autotune():
+    """torch._scaled_mm under inductor's max-autotune, persistent TMA templates allowed; a
+    fresh compile per shape (dynamic=False), so each row count is tuned for itself."""
+    import torch._inductor.config as inductor
+
+    inductor.triton.enable_persistent_tma_matmul = True
+    torch._dynamo.reset()
+    return torch.compile(scaled_mm, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def candidates(rows: int, n: int, k: int, stages: tuple[int, ...] = (4,)) -> list[GemmConfig]:
     """Tiles worth timing for one shape: row blocks up to the rows, and split-K only for
-    the narrow outputs (K slices of at least 2 blocks)."""
+    the narrow outputs (K slices of at least 2 blocks); 128-row tiles at each of `stages`."""
     out = []
     for bm in (16, 32, 64, 128):
         if bm > max(16, rows * 2):
@@ -124,7 +149,8 @@ def candidates(rows: int, n: int, k: int) -> list[GemmConfig]:
                 if k // (128 * split) < 2 or bm * bn > 128 * 256:
                     continue
                 warps = 4 if bm * bn <= 64 * 64 else 8
-                out.append(GemmConfig(bm, bn, 128, split, warps, 4))
+                for st in stages if bm == 128 else (4,):
+                    out.append(GemmConfig(bm, bn, 128, split, warps, st))
     return out
 
 
@@ -135,9 +161,11 @@ def sweep(args: argparse.Namespace, fp8: list[Fp8Weight], doc: dict) -> None:
             ws = fp8[i :: len(SHAPES)]  # this shape's 36 weights
             xq = [quantize_rows(torch.randn(b, k, device=dev, dtype=dt)) for _ in ws]
             ways = {"cublas": functools.partial(fp8_gemm, xq, ws)}
-            ways["config_for"] = functools.partial(fp8_triton, xq, ws, None)
-            for cfg in candidates(b, n, k):
+            ways["config_for"] = functools.partial(fp8_served, xq, ws)  # the table, else cuBLASLt
+            for cfg in candidates(b, n, k, tuple(int(x) for x in args.stages.split(","))):
                 ways[cfg.label()] = functools.partial(fp8_triton, xq, ws, cfg)
+            if args.inductor:
+                ways["inductor"] = functools.partial(inductor_gemm, xq, ws, compile_max_autotune())
             graphs, failed = {}, {}
             for name, fn in ways.items():
                 try:
@@ -146,20 +174,39 @@ def sweep(args: argparse.Namespace, fp8: list[Fp8Weight], doc: dict) -> None:
                     failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
             times = interleaved_replay_ms(graphs, args.replays)
             med = {name: statistics.median(t) for name, t in times.items()}
-            tiles = {k2: v for k2, v in med.items() if k2 not in ("cublas", "config_for")}
+            tiles = {
+                k2: v for k2, v in med.items() if k2 not in ("cublas", "config_for", "inductor")
+            }
             best = min(tiles, key=tiles.__getitem__)
             level = {
                 "rows": b, "k": k, "n": n, "median_ms_36": med, "failed": failed,
                 "best": best, "best_over_cublas": med[best] / med["cublas"],
-                "config_for": config_for(b, n, k).label(),
+                "config_for": getattr(config_for(b, n, k), "label", lambda: "cublas")(),
                 "config_for_over_cublas": med["config_for"] / med["cublas"],
             }  # fmt: skip
+            if "inductor" in med:  # its answer checked, not taken on trust
+                compiled = ways["inductor"].args[2]
+                ys = [compiled(q, s, w.q, w.scale) for (q, s), w in zip(xq, ws, strict=True)]
+                level["inductor_over_cublas"] = med["inductor"] / med["cublas"]
+                level["inductor_worst_error"] = worst_error(ys, xq, ws)
+                level["cublas_worst_error"] = worst_error(
+                    [scaled_mm(q, s, w.q, w.scale) for (q, s), w in zip(xq, ws, strict=True)],
+                    xq, ws,
+                )  # fmt: skip
             doc["sweep"].append(level)
             print(
                 f"rows {b:4d} k {k:5d} n {n:5d}: cublas {med['cublas']:.3f} ms, best {best} "
                 f"{med[best]:.3f} ({level['best_over_cublas']:.3f}x), config_for "
                 f"{level['config_for']} {med['config_for']:.3f} "
-                f"({level['config_for_over_cublas']:.3f}x), {len(failed)} failed",
+                f"({level['config_for_over_cublas']:.3f}x), "
+                + (
+                    f"inductor {med['inductor']:.3f} ({level['inductor_over_cublas']:.3f}x, "
+                    f"worst error {level['inductor_worst_error']:.2e} against cuBLASLt's "
+                    f"{level['cublas_worst_error']:.2e}), "
+                    if "inductor" in med
+                    else ""
+                )
+                + f"{len(failed)} failed",
                 flush=True,
             )
             del graphs, xq
@@ -171,6 +218,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,256,512")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile per shape")
+    ap.add_argument("--stages", default="4", help="--sweep: pipeline stages of 128-row tiles")
+    ap.add_argument(
+        "--inductor", action="store_true", help="--sweep: add inductor's max-autotune GEMM"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
