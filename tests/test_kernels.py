@@ -693,6 +693,78 @@ def test_batched_attention_over_an_fp8_cache_is_attention_over_its_dequantized_v
         battn.batched_decode_attention(q, k, v, lengths, k_scale=ks, v_scale=vs)
 
 
+def test_the_int4_layout_packs_each_pair_into_a_byte_and_round_trips() -> None:
+    """int4_cache.py's layout, in torch: byte j holds elements 2j (low nibble) and 2j + 1
+    (high), offset by 8; a vector's largest |value| maps to +-7 exactly; -x packs to the
+    negated integers; the round trip is within half a step of each vector's scale."""
+    from orchestrate.techniques.rumik.kernels.int4_cache import (
+        dequantize_int4,
+        quantize_int4,
+        unpack_int4,
+    )
+
+    x = torch.tensor([[7.0, -7.0, 3.0, 0.0], [0.5, 1.0, -0.25, 0.0]])
+    packed, scale = quantize_int4(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 2)
+    assert torch.equal(scale, torch.tensor([1.0, 1.0 / 7]))  # float32 scales
+    assert packed[0].tolist() == [(7 + 8) | ((-7 + 8) << 4), (3 + 8) | (0 + 8) << 4]
+    assert unpack_int4(packed)[0].tolist() == [7.0, -7.0, 3.0, 0.0]
+    x = torch.randn(5, 3, 128)
+    p, s = quantize_int4(x)
+    n = unpack_int4(p)
+    assert float(n.abs().amax(-1).min()) == 7.0 and float(n.min()) >= -7.0
+    assert torch.equal(unpack_int4(quantize_int4(-x)[0]), -n)
+    assert float(((dequantize_int4(p, s) - x).abs() / s[..., None]).max()) <= 0.5 + 1e-5
+    with pytest.raises(ValueError, match="last dim must be even"):
+        quantize_int4(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="a uint8 cache"):
+        unpack_int4(torch.zeros(3, 4, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_attention_over_an_int4_cache_is_attention_over_its_dequantized_values(
+    dtype: torch.dtype,
+) -> None:
+    """A packed INT4 cache (uint8, two values a byte) with a scale per position and KV
+    head: each row against the reference over the dequantized cache, split and unsplit and
+    through a row map; an empty row zeros; near the unquantized cache's answer, not equal
+    (APPROXIMATE: 4 bits); a uint8 cache without scales or of the wrong width refused."""
+    from orchestrate.techniques.rumik.kernels.int4_cache import quantize_int4
+
+    b = len(ROW_LENGTHS)
+    q = randn(b, 8, 128, dtype=dtype)
+    k, v = randn(b, 2, 160, 128, dtype=dtype), randn(b, 2, 160, 128, dtype=dtype)
+    (k4, ks), (v4, vs) = quantize_int4(k), quantize_int4(v)
+    lengths = torch.tensor(ROW_LENGTHS, device=DEVICE)
+    for window, splits in ((0, 1), (48, 3)):
+        out = battn.batched_decode_attention(
+            q, k4, v4, lengths, window=window, num_splits=splits, block_s=16,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        ref = battn.batched_decode_attention_ref(
+            q, k4, v4, ROW_LENGTHS, window=window, k_scale=ks, v_scale=vs
+        )
+        exact = battn.batched_decode_attention_ref(q, k, v, ROW_LENGTHS, window=window)
+        assert float(out[0].abs().max()) == 0.0
+        for r in range(1, b):
+            assert rel_err(out[r], ref[r]) < tol(dtype), (window, r)
+            assert 0 < rel_err(out[r], exact[r]) < 0.3, (window, r)
+    rows = [5, 5, 2]  # a row map: two queries over one cache row at two lengths
+    mapped = battn.batched_decode_attention(
+        q[:3], k4, v4, torch.tensor([160, 90, 37], device=DEVICE), block_s=32, k_scale=ks,
+        v_scale=vs, cache_rows=torch.tensor(rows, device=DEVICE),
+    )  # fmt: skip
+    ref = battn.batched_decode_attention_ref(
+        q[:3], k4, v4, [160, 90, 37], k_scale=ks, v_scale=vs, cache_rows=rows
+    )
+    assert rel_err(mapped, ref) < tol(dtype)
+    with pytest.raises(ValueError, match="packed INT4.*needs k_scale and v_scale"):
+        battn.batched_decode_attention(q, k4, v4, lengths)
+    with pytest.raises(ValueError, match="hold 64 bytes a position"):
+        battn.batched_decode_attention(q, k4[..., :32], v4[..., :32], lengths, k_scale=ks,
+                                       v_scale=vs)  # fmt: skip
+
+
 def test_an_fp8_cache_keeps_the_serving_steps_logits_near_the_exact_caches() -> None:
     """BatchedDecoder with kv='fp8' teacher-forced beside kv='model' (triton attention,
     three rows, prompts past the sliding window): every step's logits keep a cosine above

@@ -19,7 +19,8 @@ Contract
 - k_scale, v_scale: [B, Hkv, S_max] float32 (one stride layout for both, a contiguous last
   dim) with FP8 (e4m3) caches: position p's key is k_cache[..., p, :] * k_scale[..., p],
   its value likewise (APPROXIMATE: batched_decode's `kv: fp8`); None for a bf16/fp32
-  cache, which must then share q's dtype.
+  cache, which must then share q's dtype. The same scales with uint8 caches [B, Hkv, S_max,
+  D // 2]: packed INT4 (kernels/int4_cache.py's layout; APPROXIMATE), half the FP8 bytes.
 - No host synchronisation, and a grid that depends only on the shapes (Hkv x splits x B), so
   a serving step captures it once per batch bucket and replays it for every mix of lengths.
 
@@ -48,6 +49,53 @@ from .decode_attention import (
     attend_range,
     merge_partials,
 )
+
+
+@triton.jit
+def attend_range_int4(
+    q_even, q_odd, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs, ks_base,
+    vs_base, G_PAD: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """attend_range over a packed INT4 cache (int4_cache.py): byte j of a position holds
+    elements 2j and 2j + 1, so q and the output are taken as their even and odd halves and
+    each dot runs twice over HALF columns, with no interleaving of the unpacked values.
+    Returns (running max, running sum, even half of the output, odd half). The integers
+    (|n| <= 8) are exact in fp16; the scales multiply as attend_range's do."""
+    offs_h = tl.arange(0, HALF)
+    offs_s = tl.arange(0, BLOCK_S)
+    dot_dtype = tl.float32 if DOT_F32 or q_even.dtype == tl.float32 else tl.float16
+    q_even = q_even.to(dot_dtype)
+    q_odd = q_odd.to(dot_dtype)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc_e = tl.zeros([G_PAD, HALF], dtype=tl.float32)
+    acc_o = tl.zeros([G_PAD, HALF], dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        pos = s0 + offs_s
+        s_mask = pos < end
+        kv_mask = s_mask[:, None]
+        kb = tl.load(k_base + pos[:, None] * stride_ks + offs_h[None, :], mask=kv_mask, other=0)
+        vb = tl.load(v_base + pos[:, None] * stride_vs + offs_h[None, :], mask=kv_mask, other=0)
+        kb = kb.to(tl.int32)
+        vb = vb.to(tl.int32)
+        k_e = ((kb & 15) - 8).to(dot_dtype)
+        k_o = ((kb >> 4) - 8).to(dot_dtype)
+        qk = tl.dot(q_even, tl.trans(k_e), input_precision=PRECISION)
+        qk = tl.dot(q_odd, tl.trans(k_o), qk, input_precision=PRECISION)
+        qk = qk * tl.load(ks_base + pos, mask=s_mask, other=0.0)[None, :]
+        qk = tl.where(s_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: pos s0 is always valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = (p * tl.load(vs_base + pos, mask=s_mask, other=0.0)[None, :]).to(dot_dtype)
+        v_e = ((vb & 15) - 8).to(dot_dtype)
+        v_o = ((vb >> 4) - 8).to(dot_dtype)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e, input_precision=PRECISION)
+        acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
@@ -87,6 +135,7 @@ def _batched_split_kernel(
     DOT_F32: tl.constexpr,
     KV_SCALED: tl.constexpr,
     ROW_MAP: tl.constexpr,
+    KV_INT4: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,11 +154,33 @@ def _batched_split_kernel(
             zero = tl.zeros([G_PAD, D], dtype=tl.float32)
             tl.store(o_ptrs, zero.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         return
-    q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_rows, mask=g_mask[:, None], other=0)
     k_base = k_ptr + cache_row * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + cache_row * stride_vb + kv_head.to(tl.int64) * stride_vh
-    scales = cache_row * stride_sb + kv_head.to(tl.int64) * stride_sh  # FP8: [B, Hkv, S]
+    scales = cache_row * stride_sb + kv_head.to(tl.int64) * stride_sh  # FP8/INT4: [B, Hkv, S]
+    if KV_INT4:  # the even and odd halves of q and of the output (int4_cache.py's pairs)
+        offs_h = tl.arange(0, D // 2)
+        q_half = q_ptr + row * stride_qb + heads[:, None] * stride_qh + 2 * offs_h[None, :]
+        q_even = tl.load(q_half, mask=g_mask[:, None], other=0)
+        q_odd = tl.load(q_half + 1, mask=g_mask[:, None], other=0)
+        m_i, l_i, acc_e, acc_o = attend_range_int4(
+            q_even, q_odd, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
+            ks_ptr + scales, vs_ptr + scales, G_PAD, D // 2, BLOCK_S, PRECISION, DOT_F32,
+        )  # fmt: skip
+        o_half = out_ptr + row * stride_ob + heads[:, None] * stride_oh + 2 * offs_h[None, :]
+        if NUM_SPLITS == 1:
+            dt = out_ptr.dtype.element_ty
+            tl.store(o_half, (acc_e / l_i[:, None]).to(dt), mask=g_mask[:, None])
+            tl.store(o_half + 1, (acc_o / l_i[:, None]).to(dt), mask=g_mask[:, None])
+        else:
+            part = (row * HQ + heads) * NUM_SPLITS + split
+            p_half = acc_ptr + part[:, None] * D + 2 * offs_h[None, :]
+            tl.store(p_half, acc_e, mask=g_mask[:, None])
+            tl.store(p_half + 1, acc_o, mask=g_mask[:, None])
+            tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+        return
+    q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=g_mask[:, None], other=0)
     m_i, l_i, acc = attend_range(
         q, k_base, v_base, start, end, qk_scale, stride_ks, stride_vs,
         ks_ptr + scales, vs_ptr + scales,
@@ -190,7 +261,11 @@ def batched_decode_attention(
     if window < 0:
         raise ValueError(f"batched_decode_attention: window must be >= 0, got {window}")
     scaled = check_kv_scales("batched_decode_attention", k_cache, k_scale, v_scale)
-    hq, hkv, _ = _check(q[0], k_cache[0], v_cache[0], num_splits, block_s, kv_fp8=scaled)
+    int4 = k_cache.dtype == torch.uint8
+    if int4:
+        hq, hkv = _check_int4(q, k_cache, v_cache, scaled, num_splits, block_s)
+    else:
+        hq, hkv, _ = _check(q[0], k_cache[0], v_cache[0], num_splits, block_s, kv_fp8=scaled)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -217,7 +292,7 @@ def batched_decode_attention(
         NUM_SPLITS=num_splits,
         PRECISION="ieee" if fp32 or interpreting() else "tf32",
         DOT_F32=interpreting() and not fp32,
-        KV_SCALED=scaled, ROW_MAP=cache_rows is not None,
+        KV_SCALED=scaled, ROW_MAP=cache_rows is not None, KV_INT4=int4,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -228,6 +303,34 @@ def batched_decode_attention(
             SPLITS_PAD=next_pow2(num_splits), num_warps=4, num_stages=1,
         )  # fmt: skip
     return out
+
+
+def _check_int4(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaled: bool,
+    num_splits: int,
+    block_s: int,
+) -> tuple[int, int]:
+    """A packed INT4 cache's shapes and limits (decode_attention's `_check` for the rest);
+    (Hq, Hkv)."""
+    name = "batched_decode_attention"
+    if not scaled:
+        raise ValueError(f"{name}: a uint8 (packed INT4) cache needs k_scale and v_scale")
+    if v_cache.dtype != torch.uint8 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must both be uint8 of one shape")
+    if k_cache.shape[-1] * 2 != HEAD_DIM or q.shape[-1] != HEAD_DIM:
+        raise ValueError(
+            f"{name}: packed INT4 caches hold {HEAD_DIM // 2} bytes a position for head_dim "
+            f"{HEAD_DIM}, got q {q.shape[-1]} and cache {k_cache.shape[-1]}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: caches must have a contiguous last dim")
+    # the rest as decode_attention checks it, on a float view of one row's shapes
+    like = torch.empty((*k_cache.shape[1:3], HEAD_DIM), dtype=q.dtype, device="meta")
+    hq, hkv, _ = _check(q[0], like, like, num_splits, block_s)
+    return hq, hkv
 
 
 def batched_decode_attention_ref(
@@ -242,7 +345,8 @@ def batched_decode_attention_ref(
     cache_rows: list[int] | None = None,
 ) -> torch.Tensor:
     """Torch reference, row by row (fp32 softmax over each row's valid, windowed slice); an
-    FP8 cache is dequantized with its scales first; `cache_rows` maps queries to rows."""
+    FP8 or packed INT4 cache is dequantized with its scales first; `cache_rows` maps queries
+    to rows."""
     from .decode_attention import decode_attention_ref
 
     if cache_rows is not None:
@@ -251,7 +355,12 @@ def batched_decode_attention_ref(
         if k_scale is not None and v_scale is not None:
             k_scale, v_scale = k_scale[index], v_scale[index]
 
-    if k_scale is not None and v_scale is not None:
+    if k_cache.dtype == torch.uint8 and k_scale is not None and v_scale is not None:
+        from .int4_cache import dequantize_int4
+
+        k_cache = dequantize_int4(k_cache, k_scale).to(q.dtype)
+        v_cache = dequantize_int4(v_cache, v_scale).to(q.dtype)
+    elif k_scale is not None and v_scale is not None:
         k_cache = (k_cache.float() * k_scale[..., None]).to(q.dtype)
         v_cache = (v_cache.float() * v_scale[..., None]).to(q.dtype)
     rows = [
