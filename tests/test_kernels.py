@@ -1319,10 +1319,56 @@ def test_rope_and_cache_write_rows_quantizes_into_an_fp8_cache(dtype: torch.dtyp
             assert_fp8_agree(got[written], want[written], steps=1)
         assert torch.equal(got[~written].float(), want[~written].float())  # nothing else
         assert got.float().abs().amax() == 448.0  # each vector's largest value maps to 448
-    with pytest.raises(ValueError, match="e4m3 caches need k_scale and v_scale"):
+    with pytest.raises(ValueError, match="caches need k_scale and v_scale"):
         rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos, cos, sin)
-    with pytest.raises(ValueError, match="scales go with float8_e4m3fn caches"):
+    with pytest.raises(ValueError, match="scales go with float8_e4m3fn or uint8"):
         rn.rope_and_cache_write_rows(q, k, v, kc.to(dtype), vc.to(dtype), pos, cos, sin,
+                                     k_scale=ks, v_scale=vs)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write_rows_packs_into_an_int4_cache(dtype: torch.dtype) -> None:
+    """With uint8 caches and scales, each key and value vector stored as quantize_int4
+    stores it (two values a byte, its amax to 7, float32 scale beside it) at each row's own
+    position, and the batched attention reads back what it wrote."""
+    from orchestrate.techniques.rumik.kernels.int4_cache import unpack_int4
+
+    cos, sin = rn.rope_cos_sin(512, dtype=dtype, device=DEVICE)
+    q, k, v = (
+        randn(2, 16, 128, dtype=dtype),
+        randn(2, 4, 128, dtype=dtype) * 3,
+        randn(2, 4, 128, dtype=dtype),
+    )
+    kc = torch.zeros(2, 4, 64, 64, dtype=torch.uint8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(2, 4, 64, device=DEVICE), torch.zeros(2, 4, 64, device=DEVICE)
+    ref = [t.clone() for t in (kc, vc, ks, vs)]
+    positions = [5, 40]
+    pos = torch.tensor(positions, device=DEVICE)
+    q_out = rn.rope_and_cache_write_rows(q, k, v, kc, vc, pos, cos, sin, k_scale=ks, v_scale=vs)
+    q_ref = rn.rope_and_cache_write_rows_ref(q, k, v, *ref[:2], positions, cos, sin,
+                                             k_scale=ref[2], v_scale=ref[3])  # fmt: skip
+    assert rel_err(q_out, q_ref) < tol(dtype)
+    written = ks > 0
+    assert written.sum() == 8 and written[0, :, 5].all() and written[1, :, 40].all()
+    for got, want, scale, scale_ref in ((kc, ref[0], ks, ref[2]), (vc, ref[1], vs, ref[3])):
+        n, n_ref = unpack_int4(got[written]), unpack_int4(want[written])
+        if dtype == torch.float32:  # the same fp32 quotients, rounded the same way
+            assert rel_err(scale, scale_ref) < 1e-6
+            assert torch.equal(n, n_ref)
+        else:  # rounded to bf16 first (by truncation in the interpreter: within an ulp)
+            assert rel_err(scale, scale_ref) < 1e-2
+            assert float((n - n_ref).abs().max()) <= 1.0
+            assert float((n != n_ref).float().mean()) < 0.05
+        assert torch.equal(got[~written], want[~written])  # nothing else
+        assert float(n.abs().amax(-1).min()) == 7.0  # each vector's largest value maps to 7
+    lengths = [6, 41]  # through each row's new position
+    out = battn.batched_decode_attention(q_out, kc, vc, torch.tensor(lengths, device=DEVICE),
+                                         k_scale=ks, v_scale=vs, block_s=32)  # fmt: skip
+    want = battn.batched_decode_attention_ref(q_out, kc, vc, lengths, k_scale=ks, v_scale=vs)
+    assert rel_err(out, want) < tol(dtype)
+    with pytest.raises(ValueError, match="packed INT4 caches hold 64 bytes a position"):
+        rn.rope_and_cache_write_rows(q, k, v, kc[..., :32], vc[..., :32], pos, cos, sin,
                                      k_scale=ks, v_scale=vs)  # fmt: skip
 
 

@@ -220,11 +220,13 @@ def add_layer_norm(
 def _rotate_heads(
     src_ptr, dst_ptr, stride_src, stride_dst, cos, sin, n_heads, ok, scale_ptr, stride_scale,
     H_PAD: tl.constexpr, HALF: tl.constexpr, ROTARY: tl.constexpr, QUANT: tl.constexpr,
+    INT4: tl.constexpr,
 ):  # fmt: skip
     """Rotate [n_heads, 2*HALF] rows (pairs 2i, 2i+1) from src into dst (dst may be src).
     QUANT: dst is e4m3 and each row is stored as quantize_rows stores it: rounded to src's
     dtype first (what an unfused write would quantize), its largest |value| mapped to 448,
-    its float32 scale written at scale_ptr + head * stride_scale."""
+    its float32 scale written at scale_ptr + head * stride_scale. QUANT and INT4: dst is
+    packed INT4 (int4_cache.py: a byte a pair, the largest |value| mapped to 7)."""
     h = tl.arange(0, H_PAD)
     i = tl.arange(0, HALF)
     m = (h < n_heads)[:, None] & ok
@@ -236,6 +238,20 @@ def _rotate_heads(
         o = odd.to(tl.float32)
         even = e * cos[None, :] - o * sin[None, :]
         odd = o * cos[None, :] + e * sin[None, :]
+    if QUANT and INT4:
+        e = even.to(src_ptr.dtype.element_ty).to(tl.float32)
+        o = odd.to(src_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(e), axis=1), tl.max(tl.abs(o), axis=1))
+        scale = tl.maximum(amax, 1e-12) / 7.0
+        # round half to even, as torch.round (int4_cache.py): adding and taking away 1.5 x
+        # 2^23 leaves the float32 sum's own rounding, to an integer (|x| <= 7 here)
+        n_e = tl.clamp((e / scale[:, None] + 12582912.0) - 12582912.0, -7.0, 7.0)
+        n_o = tl.clamp((o / scale[:, None] + 12582912.0) - 12582912.0, -7.0, 7.0)
+        packed = (n_e.to(tl.int32) + 8) | ((n_o.to(tl.int32) + 8) << 4)
+        tl.store(scale_ptr + h * stride_scale, scale, mask=(h < n_heads) & ok)
+        dst = dst_ptr + h[:, None] * stride_dst + i[None, :]
+        tl.store(dst, packed.to(tl.uint8), mask=m)
+        return
     if QUANT:
         e = even.to(src_ptr.dtype.element_ty).to(tl.float32)
         o = odd.to(src_ptr.dtype.element_ty).to(tl.float32)
@@ -258,7 +274,9 @@ def _rope_cache_kernel(
     ks_ptr, vs_ptr, stride_sr, stride_sh, rows_ptr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
     ROTARY: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, ROW_MAP: tl.constexpr,
+    KV_INT4: tl.constexpr,
 ):  # fmt: skip
+    # KV_FP8: quantized caches with scales, e4m3 or (KV_INT4) packed INT4.
     # Three programs per row, one per tensor (q; k into the cache; v into the cache), each
     # with one dependent chain (position -> cos/sin -> rotate -> store). Measured neutral
     # against one program doing the three in turn (3.51 against 3.57 us per call inside
@@ -285,17 +303,17 @@ def _rope_cache_kernel(
     if part == 0:
         _rotate_heads(q_ptr + row * stride_qr, q_out_ptr + row * stride_qor, stride_q,
                       stride_qo, cos, sin, HQ, True, ks_ptr, 0, HQ_PAD, HALF, ROTARY,
-                      False)  # fmt: skip
+                      False, False)  # fmt: skip
     elif part == 1:
         _rotate_heads(k_ptr + row * stride_kr,
                       kc_ptr + cache_row * stride_kcr + pos * stride_kcs,
                       stride_k, stride_kch, cos, sin, HKV, in_cache, ks_ptr + scales,
-                      stride_sh, HKV_PAD, HALF, ROTARY, KV_FP8)  # fmt: skip
+                      stride_sh, HKV_PAD, HALF, ROTARY, KV_FP8, KV_INT4)  # fmt: skip
     else:
         _rotate_heads(v_ptr + row * stride_vr,
                       vc_ptr + cache_row * stride_vcr + pos * stride_vcs,
                       stride_v, stride_vch, cos, sin, HKV, in_cache, vs_ptr + scales,
-                      stride_sh, HKV_PAD, HALF, False, KV_FP8)  # fmt: skip
+                      stride_sh, HKV_PAD, HALF, False, KV_FP8, KV_INT4)  # fmt: skip
 
 
 def rope_cos_sin(
@@ -419,6 +437,7 @@ def rope_and_cache_write(
         kc, vc, 0, 0, pos,  # no scales (a cache in the model's dtype), no row map
         HQ_PAD=next_pow2(max(2, q2.shape[0])), HKV_PAD=next_pow2(max(2, k2.shape[0])),
         HALF=d // 2, ROTARY=bool(rotary), USE_PDL=use_pdl, KV_FP8=False, ROW_MAP=False,
+        KV_INT4=False,
         **launch_options(use_pdl, 4),
     )  # fmt: skip
     return q_out
@@ -453,7 +472,7 @@ def rope_and_cache_write_rows(
             "rope_and_cache_write_rows: q, k, v must be [B, H, D] and the caches "
             f"[B, Hkv, S_max, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(k_cache.shape)}"
         )
-    b, d = q.shape[0], k_cache.shape[-1]
+    b, d = q.shape[0], q.shape[-1]
     cache_b = b if cache_rows is None else k_cache.shape[0]
     if k.shape[0] != b or v.shape != k.shape or k_cache.shape[0] != cache_b:
         raise ValueError(f"rope_and_cache_write_rows: q, k, v and the caches need {b} rows")
@@ -467,10 +486,18 @@ def rope_and_cache_write_rows(
         if t.stride(-1) != 1:
             raise ValueError(f"rope_and_cache_write_rows: {name} must have a contiguous last dim")
     check_device("rope_and_cache_write_rows", q, k, v, k_cache, v_cache, pos, cos, sin)
-    fp8 = _check_fp8_scales(k_cache, v_cache, k_scale, v_scale)
+    fp8 = _check_fp8_scales(k_cache, v_cache, k_scale, v_scale)  # None, "fp8" or "int4"
     for t in (q, k, v, cos, sin) if fp8 else (q, k, v, k_cache, v_cache, cos, sin):
         check_dtype("rope_and_cache_write_rows", t, FLOAT_DTYPES)
-    _check_rope(q[0], k[0], k_cache[0], v_cache[0], cos)
+    if fp8 == "int4":  # two values a byte: the shapes checked as the unpacked cache's
+        if k_cache.shape[-1] * 2 != d or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"rope_and_cache_write_rows: packed INT4 caches hold {d // 2} bytes a position"
+            )
+        kc0 = torch.empty((*k_cache.shape[1:3], d), dtype=q.dtype, device="meta")
+        _check_rope(q[0], k[0], kc0, kc0, cos)
+    else:
+        _check_rope(q[0], k[0], k_cache[0], v_cache[0], cos)
     if sin.shape != cos.shape:
         raise ValueError("rope_and_cache_write_rows: sin must match cos")
     if q_out is None:
@@ -489,7 +516,8 @@ def rope_and_cache_write_rows(
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         cache_rows if cache_rows is not None else pos,  # unread without a map
         HQ_PAD=next_pow2(max(2, q.shape[1])), HKV_PAD=next_pow2(max(2, k.shape[1])),
-        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False, KV_FP8=fp8,
+        HALF=d // 2, ROTARY=bool(rotary), USE_PDL=False, KV_FP8=fp8 is not None,
+        KV_INT4=fp8 == "int4",
         ROW_MAP=cache_rows is not None,
         **launch_options(False, 4),
     )  # fmt: skip
@@ -501,17 +529,19 @@ def _check_fp8_scales(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-) -> bool:
-    """True for e4m3 caches with their scales (checked), False for caches without."""
+) -> str | None:
+    """ "fp8" for e4m3 caches with their scales, "int4" for packed INT4 (uint8) caches with
+    theirs (checked), None for caches without."""
     fp8 = torch.float8_e4m3fn
     name = "rope_and_cache_write_rows"
     if not check_kv_scales(name, k_cache, k_scale, v_scale):
-        if k_cache.dtype == fp8 or v_cache.dtype == fp8:
-            raise ValueError(f"{name}: e4m3 caches need k_scale and v_scale")
-        return False
-    if k_cache.dtype != fp8 or v_cache.dtype != fp8:
-        raise ValueError(f"{name}: scales go with float8_e4m3fn caches")
-    return True
+        if k_cache.dtype in (fp8, torch.uint8) or v_cache.dtype in (fp8, torch.uint8):
+            raise ValueError(f"{name}: e4m3 and packed INT4 caches need k_scale and v_scale")
+        return None
+    for kind, dtype in (("fp8", fp8), ("int4", torch.uint8)):
+        if k_cache.dtype == dtype and v_cache.dtype == dtype:
+            return kind
+    raise ValueError(f"{name}: scales go with float8_e4m3fn or uint8 (packed INT4) caches")
 
 
 def rope_and_cache_write_rows_ref(
@@ -529,7 +559,10 @@ def rope_and_cache_write_rows_ref(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: `rope_and_cache_write_ref` row by row; with scales, each key and value
-    vector quantized as quantize_rows does (largest |value| -> 448, float32 scale)."""
+    vector quantized as quantize_rows does (largest |value| -> 448, float32 scale), or into
+    a uint8 cache as int4_cache.quantize_int4 does."""
+    from .int4_cache import quantize_int4
+
     if k_scale is None or v_scale is None:
         return torch.stack([
             rope_and_cache_write_ref(
@@ -542,6 +575,9 @@ def rope_and_cache_write_rows_ref(
         out.append(rotary_ref(q[r], p, cos, sin) if rotary else q[r].clone())
         k_new = rotary_ref(k[r], p, cos, sin) if rotary else k[r]
         for cache, scales, x in ((k_cache, k_scale, k_new), (v_cache, v_scale, v[r])):
+            if cache.dtype == torch.uint8:  # packed INT4 (int4_cache.py)
+                cache[r, :, p], scales[r, :, p] = quantize_int4(x)
+                continue
             scale = x.abs().amax(-1).float().clamp(min=1e-12) / 448.0
             cache[r, :, p] = (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(cache.dtype)
             scales[r, :, p] = scale
