@@ -72,7 +72,9 @@ PATHS = {"sdpa": "ours", "triton": "ours_triton"}  # --attention -> the path it 
 CODECS = ("sync", "overlap")  # --codec: overlap's paths are suffixed _overlap
 # --projections: fp8's paths are suffixed _fp8, fp8_triton's _fp8t (both APPROXIMATE)
 PROJECTIONS = {"bf16": "", "fp8": "_fp8", "fp8_triton": "_fp8t"}
-KVS = ("model", "fp8")  # --kv: the fp8 cache's paths are suffixed _kv8 (APPROXIMATE)
+# --kv: the fp8 cache's paths are suffixed _kv8, the int4 cache's _kv4 (both APPROXIMATE)
+KVS = ("model", "fp8", "int4")
+KV_SUFFIX = {"model": "", "fp8": "_kv8", "int4": "_kv4"}
 GLUES = ("torch", "triton")  # --glue: triton's paths are suffixed _glue (exact up to rounding)
 # --codec-precision: the codec's arithmetic (chunk_codec.py); tf32 and bf16 are APPROXIMATE
 CODEC_PRECISIONS = {"fp32": "", "tf32": "_ctf32", "bf16": "_cbf16"}
@@ -97,7 +99,7 @@ def path_name(
     attention_block: int = UNSUFFIXED_BLOCK,
 ) -> str:
     overlap = "_overlap" if codec == "overlap" else ""
-    fp8 = PROJECTIONS[projections] + ("_kv8" if kv == "fp8" else "")
+    fp8 = PROJECTIONS[projections] + KV_SUFFIX[kv]
     chunked = f"_chunk{chunk}" if chunk else ""
     glued = "_glue" if glue == "triton" else ""
     every = f"_cev{codec_every}" if codec_every > 1 else ""
@@ -159,7 +161,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="model",
         help="the cache, comma-separated, each a path per attention, codec and projections: "
         "model (the model's dtype), fp8 (e4m3 with a scale per vector, APPROXIMATE, needs "
-        "--attention triton; paths suffixed _kv8, their logits' divergence recorded)",
+        "--attention triton; paths suffixed _kv8, their logits' divergence recorded), int4 "
+        "(packed 4-bit with a scale per vector, likewise; paths suffixed _kv4)",
     )
     ap.add_argument(
         "--glue",
@@ -524,8 +527,10 @@ def check_path_options(args: argparse.Namespace, cuda: bool) -> None:
     kvs = args.kv.split(",")
     if not args.kv or any(k not in KVS for k in kvs):
         raise LoadError(f"--kv {args.kv!r}: each one of {', '.join(KVS)}")
-    if "fp8" in kvs and "sdpa" in args.attention.split(","):
-        raise LoadError("--kv fp8 needs --attention triton alone (its kernel reads the scales)")
+    for kv in {"fp8", "int4"} & set(kvs):
+        if "sdpa" in args.attention.split(","):
+            raise LoadError(f"--kv {kv} needs --attention triton alone (its kernel reads the "
+                            "scales)")  # fmt: skip
     glues = args.glue.split(",")
     if not args.glue or any(g not in GLUES for g in glues):
         raise LoadError(f"--glue {args.glue!r}: each one of {', '.join(GLUES)}")
@@ -920,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
                 "added into the residual)",
                 "kv fp8": "APPROXIMATE: the cache in e4m3, each position's key and value "
                 "vector per kv head with its own float32 scale (batched_decode kv: fp8)",
+                "kv int4": "APPROXIMATE: the cache in packed 4-bit integers, two a byte, each "
+                "position's key and value vector per kv head with its own float32 scale "
+                "(batched_decode kv: int4, kernels/int4_cache.py)",
                 "fp8": "APPROXIMATE: techniques/rumik/fp8_projections.py, e4m3 weights with "
                 "a scale per output channel, activations per row, torch._scaled_mm",
                 "fp8_triton": "APPROXIMATE: fp8's weights and rows, two or more rows "
@@ -1008,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         if proj != "bf16":  # fp8 or fp8_triton: the same weights, another GEMM for 2+ rows
             fp8 = Fp8Packed(model, gemm="triton" if proj == "fp8_triton" else "cublas")
         vs_exact = None
-        if fp8 is not None or kv == "fp8":
+        if fp8 is not None or kv != "model":
             vs_exact = divergence(model, prompt, sampling, attention, fp8, kv, glue)
         server = BatchedServer(
             model,

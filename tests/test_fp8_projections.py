@@ -275,19 +275,20 @@ def test_explorations_are_not_offered_what_only_a_server_reads():
     assert "fp8_projections" not in offered and "batched_decode" not in offered
 
 
-def test_an_fp8_cache_without_the_kernel_that_reads_its_scales_is_refused_at_build():
+@pytest.mark.parametrize("kv", ["fp8", "int4"])
+def test_a_quantized_cache_without_the_kernel_that_reads_its_scales_is_refused_at_build(kv):
     spec = StackSpec(
         name="kv8",
         family="rumik",
-        techniques=[TechniqueRef(name="batched_decode", params={"rows": 4, "kv": "fp8"})],
+        techniques=[TechniqueRef(name="batched_decode", params={"rows": 4, "kv": kv})],
     )
-    with pytest.raises(StackError, match="kv 'fp8' needs attention 'triton'"):
+    with pytest.raises(StackError, match=f"kv '{kv}' needs attention 'triton'"):
         build_stack(spec)
     triton = spec.techniques[0].params | {"attention": "triton"}
     spec = spec.model_copy(
         update={"techniques": [TechniqueRef(name="batched_decode", params=triton)]}
     )
-    assert build_stack(spec).techniques[0].params.kv == "fp8"
+    assert build_stack(spec).techniques[0].params.kv == kv
 
 
 def test_the_gemm_table_is_the_sweeps_fastest_tile_where_it_beat_cublas():

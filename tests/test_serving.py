@@ -797,6 +797,8 @@ def _bench():
             "--path spells out each path: drop --glue",
         ),
         (["--path", "kv=fp8"], "--path 'kv=fp8': --kv fp8 needs --attention triton alone"),
+        (["--kv", "int4"], "--kv int4 needs --attention triton alone"),
+        (["--kv", "int8"], "--kv 'int8': each one of model, fp8, int4"),
         (["--path", "codec_kv=ring", "--path", "codec_kv=gather"], "make the same path"),
     ],
 )

@@ -73,7 +73,9 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> 
 
 
 ATTENTION = ("sdpa", "triton")
-KV = ("model", "fp8")  # the cache in the model's dtype, or e4m3 with a scale per vector
+# the cache in the model's dtype, e4m3 with a scale per vector, or packed INT4 with one
+# (kernels/int4_cache.py: two values a byte, half the fp8 cache's bytes; APPROXIMATE)
+KV = ("model", "fp8", "int4")
 HEADS = ("codebook", "audio")
 # The step's work between its projections and attention: eager torch ops, or the Triton
 # kernels of kernels/rope_norm.py and kernels/swiglu.py (CUDA, or TRITON_INTERPRET=1).
@@ -127,8 +129,8 @@ class BatchedDecoder:
             raise ValueError("attention_block is the kernel's: it needs attention 'triton'")
         if kv not in KV:
             raise ValueError(f"kv {kv!r}: one of {', '.join(KV)}")
-        if kv == "fp8" and self.attention is None:
-            raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
+        if kv != "model" and self.attention is None:
+            raise ValueError(f"kv {kv!r} needs attention 'triton' (its kernel reads the scales)")
         if why := glue_refusal(glue, attention):
             raise ValueError(why)
         if chunk_tokens < 0 or (chunk_tokens and glue != "triton"):
@@ -137,6 +139,7 @@ class BatchedDecoder:
                 "glue 'triton' (the row maps of its rotary and attention kernels)"
             )
         self.kv, self.glue = kv, glue
+        self.kv_scaled = kv != "model"  # a quantized cache: a float32 scale per vector
         dev, dt = lm.device, lm.dtype
         self.model, self.rows, self.capacity, self.sampling = model, rows, max_seq_len, sampling
         # q,k,v,gate,up: the model's own packed tensor; o and down: its own weights, summed
@@ -167,7 +170,7 @@ class BatchedDecoder:
         # One row more than the streams': `scratch`, where padded prefill rows write.
         self.scratch = rows
         shape = (len(self.norms), rows + 1, self.hkv, max_seq_len, self.d)
-        cache_dt = FP8 if kv == "fp8" else dt
+        cache_dt = {"fp8": FP8, "int4": torch.uint8}.get(kv, dt)
         wide = cache_dt.itemsize > 2
         if attention_block is None:
             attention_block = ATTENTION_BLOCK_FP32 if wide else ATTENTION_BLOCK
@@ -176,10 +179,11 @@ class BatchedDecoder:
                 f"attention_block {attention_block} over a {cache_dt} cache: more shared memory "
                 f"than an H100 has; {ATTENTION_BLOCK_FP32} or less, or a bf16 or fp8 cache"
             )
-        self.k = torch.zeros(shape, dtype=cache_dt, device=dev)
-        self.v = torch.zeros(shape, dtype=cache_dt, device=dev)
-        # fp8: each position's key and value vector (per kv head) with its own scale
-        scale_shape = shape[:-1] if kv == "fp8" else (0,)
+        packed = (*shape[:-1], self.d // 2) if kv == "int4" else shape  # two values a byte
+        self.k = torch.zeros(packed, dtype=cache_dt, device=dev)
+        self.v = torch.zeros(packed, dtype=cache_dt, device=dev)
+        # fp8, int4: each position's key and value vector (per kv head) with its own scale
+        scale_shape = shape[:-1] if self.kv_scaled else (0,)
         self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=dev)
         self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=dev)
         inv_freq = lm.model.rotary_emb.inv_freq.float().to(dev)
@@ -301,13 +305,19 @@ class BatchedDecoder:
     def _write(self, i: int, at: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values [..., d] into layer i's cache at index `at` (rows, heads,
         positions); fp8: each vector quantized with its own scale (APPROXIMATE), with glue
-        'triton' by one kernel (kernels/fp8_rows.py on CUDA: the same bytes)."""
-        if self.kv != "fp8":
+        'triton' by one kernel (kernels/fp8_rows.py on CUDA: the same bytes); int4: packed as
+        int4_cache.quantize_int4 packs it (APPROXIMATE)."""
+        if not self.kv_scaled:
             self.k[(i, *at)] = k
             self.v[(i, *at)] = v
             return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if self.glue == "triton":
+            if self.kv == "int4":
+                from orchestrate.techniques.rumik.kernels.int4_cache import quantize_int4
+
+                q, scale = quantize_int4(x)
+                scale = scale[..., None]
+            elif self.glue == "triton":
                 q, scale = quantize_activations(x.reshape(-1, x.shape[-1]))
                 q, scale = q.view(x.shape), scale.view(*x.shape[:-1], 1)
             else:
@@ -464,7 +474,7 @@ class BatchedDecoder:
             if self.attention is not None:  # each row over [0, pos + 1): no mask, no bucket
                 span = self.window if self.sliding[i] else 0
                 scales = {}
-                if self.kv == "fp8":
+                if self.kv_scaled:
                     scales = {"k_scale": self.k_scale[i, :b], "v_scale": self.v_scale[i, :b]}
                 out = self.attention(
                     q[:, :, 0], self.k[i, :b], self.v[i, :b], pos, window=span, length_offset=1,
@@ -517,7 +527,7 @@ class BatchedDecoder:
             cached = slice(None) if c else slice(0, b)  # a row map reads any cache row
             k_cache, v_cache = self.k[i, cached], self.v[i, cached]
             scales = {}
-            if self.kv == "fp8":  # written by the rotary kernel, read by attention
+            if self.kv_scaled:  # written by the rotary kernel, read by attention
                 scales = {"k_scale": self.k_scale[i, cached], "v_scale": self.v_scale[i, cached]}
             q = rope_norm.rope_and_cache_write_rows(
                 q.view(m, self.hq, self.d), k.view(m, self.hkv, self.d),

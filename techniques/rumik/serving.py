@@ -71,11 +71,13 @@ class BatchedDecodeParams(TechniqueParams):
         "streams against 54 unpipelined; at 288 both served all, first audio p95 5.6 ms "
         "later (README, 'Pipelined steps').",
     )
-    kv: Literal["model", "fp8"] = Field(
+    kv: Literal["model", "fp8", "int4"] = Field(
         "model",
         description="model: the cache in the model's dtype; fp8: e4m3 keys and values, each "
         "position's vector per kv head with its own scale (APPROXIMATE: half the bytes "
-        "attention reads; needs attention triton).",
+        "attention reads; needs attention triton); int4: packed 4-bit keys and values, two "
+        "a byte, with the same scales (kernels/int4_cache.py; APPROXIMATE: a quarter of the "
+        "bf16 cache's bytes, half of fp8's; needs attention triton).",
     )
     glue: Literal["torch", "triton"] = Field(
         "torch",
@@ -123,8 +125,10 @@ class BatchedDecodeParams(TechniqueParams):
 
     @model_validator(mode="after")
     def _kernels_it_needs(self) -> BatchedDecodeParams:
-        if self.kv == "fp8" and self.attention != "triton":
-            raise ValueError("kv 'fp8' needs attention 'triton' (its kernel reads the scales)")
+        if self.kv != "model" and self.attention != "triton":
+            raise ValueError(
+                f"kv {self.kv!r} needs attention 'triton' (its kernel reads the scales)"
+            )
         from orchestrate.techniques.rumik.batched_decode import glue_refusal
 
         if why := glue_refusal(self.glue, self.attention):
@@ -164,8 +168,8 @@ class BatchedDecode(Technique):
     # the attention kernel splits each row's positions across programs when a bucket has
     # few rows (BatchedDecoder.splits: the same softmax summed in another order); 9:
     # `codec_precision` and `codec_every` (their defaults keep the codec as Mimi ships it,
-    # launched every step)
-    version = 9
+    # launched every step); 10: `kv: int4` (a new value: the default is unchanged)
+    version = 10
     family = "rumik"
     exact = False  # another random stream (and with head codebook, the restricted head)
     slots = ("server",)
