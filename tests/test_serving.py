@@ -705,6 +705,32 @@ def test_the_kernels_graphed_buckets_match_its_eager_steps_on_gpu():
 
 
 @pytest.mark.gpu
+def test_an_int4_cache_graphed_serves_its_eager_steps_tokens_on_gpu():
+    """kv int4 (packed 4-bit keys and values, written by the rotary kernel) with chunked
+    prefill, float32, greedy, two rows refilled by four requests: the graphed server gives
+    the eager server's tokens, and its cache is uint8, two values a byte."""
+    gpu_model = FAMILY.build_model(ModelSpec(preset="small-128", device="cuda", dtype="float32"))
+    reqs = [
+        ServeRequest(k, prompt(gpu_model, t), 3 + 2 * k, seed=7 + k) for k, t in enumerate(TEXTS)
+    ]
+    runs = []
+    for graphs in (False, True):
+        server = BatchedServer(gpu_model, 2, 256, GREEDY, graphs=graphs, codec=False,
+                               attention="triton", glue="triton", chunk_tokens=64,
+                               kv="int4")  # fmt: skip
+        server.warm_up()
+        waiting = list(reqs)
+        while waiting or server.live():
+            waiting = waiting[server.admit(waiting) :]
+            server.step()
+        runs.append(server.tokens)
+    assert server.dec.k.dtype == torch.uint8
+    assert server.dec.k.shape[-1] * 2 == gpu_model.config.head_dim
+    assert sorted(runs[0]) == [0, 1, 2, 3]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 def test_chunked_prefill_graphed_serves_the_tokens_prompt_writes_serve_on_gpu():
     """chunk_tokens 16 and 64 (and 64 pipelined) with graphs (one per batch and chunk
     bucket, captured in warm_up), kernel glue, float32, greedy, two rows refilled by four
