@@ -77,7 +77,9 @@ class BatchedDecodeParams(TechniqueParams):
         "position's vector per kv head with its own scale (APPROXIMATE: half the bytes "
         "attention reads; needs attention triton); int4: packed 4-bit keys and values, two "
         "a byte, with the same scales (kernels/int4_cache.py; APPROXIMATE: a quarter of the "
-        "bf16 cache's bytes, half of fp8's; needs attention triton).",
+        "bf16 cache's bytes, half of fp8's; needs attention triton). Measured slower than "
+        "fp8 on an H100: its attention took 1.6-1.7x fp8's time, bound by unpacking (README, "
+        "'Half the cache's bytes').",
     )
     glue: Literal["torch", "triton"] = Field(
         "torch",
