@@ -48,6 +48,7 @@ from orchestrate.families.rumik.model import RumikModel
 from orchestrate.techniques.rumik.audio_head import AudioRowsHead
 from orchestrate.techniques.rumik.codebook_head import CurrentCodebookHead
 from orchestrate.techniques.rumik.fp8_projections import FP8, quantize_activations, quantize_rows
+from orchestrate.techniques.rumik.kernels.int4_cache import quantize_int4
 from orchestrate.techniques.rumik.packed_projections import Packed
 from orchestrate.techniques.rumik.static_kv_cache import rotate_half_pairs
 
@@ -313,8 +314,6 @@ class BatchedDecoder:
             return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             if self.kv == "int4":
-                from orchestrate.techniques.rumik.kernels.int4_cache import quantize_int4
-
                 q, scale = quantize_int4(x)
                 scale = scale[..., None]
             elif self.glue == "triton":

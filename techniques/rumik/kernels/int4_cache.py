@@ -11,11 +11,11 @@ writes a byte per pair). Quantized in float32, rounding half to even (torch.roun
 Why
 ---
 A loaded serving step's attention reads every live row's keys and values once per layer;
-with the FP8 cache that is 2 x D bytes a position and head (benchmarks/h100/serving/
-batched-attention-sweep-448.json: 0.82 of the copy rate at 448 rows, about a third of the
-step). Half the bytes is the one lever left on that read once the kernel runs near the
-copy rate. kernels/batched_attention.py reads this layout (a uint8 cache); nothing writes it
-in a served step yet: these functions are the reference and the benchmark's writer.
+with the FP8 cache that is 2 x D bytes a position and head. This layout halves them.
+kernels/batched_attention.py reads it, rope_norm.rope_and_cache_write_rows writes it
+(batched_decode `kv: int4`); these torch functions are the reference and the torch glue's
+writer. Measured slower than FP8 on an H100: the reader is bound by unpacking
+(benchmarks/h100/serving/batched-attention-int4.json, README "Half the cache's bytes").
 """
 
 from __future__ import annotations
